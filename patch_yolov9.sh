@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Copy the yolov9-qat overlay over a YOLOv9 checkout: ./patch_yolov9.sh /path/to/yolov9
+# Idempotent; lists what it copied; never deletes anything. A file of the checkout that this patch
+# did not put there and that would be overwritten is kept as FILE.orig first.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+DIR="${1:-}"
+if [ -z "$DIR" ] || [ "$DIR" = "-h" ] || [ "$DIR" = "--help" ]; then
+  echo "usage: $0 /path/to/yolov9" >&2
+  exit 2
+fi
+for f in models/yolo.py models/common.py val.py train.py utils/general.py; do
+  if [ ! -f "$DIR/$f" ]; then
+    echo "patch_yolov9: error: $DIR is not a YOLOv9 checkout ($f missing); get one with scripts/get_yolov9.sh $DIR" >&2
+    exit 1
+  fi
+done
+
+MANIFEST="$DIR/.yolov9_qat_files"
+touch "$MANIFEST"
+cd "$HERE"
+copied=0
+unchanged=0
+while IFS= read -r rel; do
+  dst="$DIR/$rel"
+  if [ -f "$dst" ] && cmp -s "$rel" "$dst"; then
+    unchanged=$((unchanged + 1))
+    continue
+  fi
+  if [ -f "$dst" ] && ! grep -qxF "$rel" "$MANIFEST" && [ ! -e "$dst.orig" ]; then
+    cp -p "$dst" "$dst.orig"
+    echo "  kept    $rel.orig (your file, replaced by the overlay)"
+  fi
+  mkdir -p "$(dirname "$dst")"
+  cp "$rel" "$dst.tmp.$$" && mv "$dst.tmp.$$" "$dst"
+  grep -qxF "$rel" "$MANIFEST" || echo "$rel" >> "$MANIFEST"
+  echo "  copied  $rel"
+  copied=$((copied + 1))
+done < <(ls -1 *.py models/*.py utils/*.py scripts/*.sh scripts/*.py 2>/dev/null | grep -v '^scripts/get_yolov9.sh$\|^scripts/demo.sh$')
+echo "patch_yolov9: $copied file(s) copied, $unchanged already up to date, into $DIR"
