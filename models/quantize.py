@@ -96,7 +96,8 @@ def fake_quant(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.
         # A plain value, so the exported scale is a constant rather than ops on the amax buffer.
         scale = torch.tensor(scale.cpu().numpy(), device=x.device)
     dtype = x.dtype
-    x = x.float()
+    if dtype != torch.float32:  # AMP: quantize in FP32 (a no-op cast would leave Cast nodes in the ONNX)
+        x = x.float()
     if scale.numel() == 1:
         if scale.dim():  # keep the traced graph free of ops on the scale, so export folds it to a constant
             scale = scale.reshape(())
@@ -106,7 +107,7 @@ def fake_quant(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.
         scale = scale.flatten()
         out = torch.fake_quantize_per_channel_affine(
             x, scale, torch.zeros_like(scale, dtype=torch.int32), 0, -bound - 1, bound)
-    return out.to(dtype)
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 class Int8Quantizer(TensorQuantizer):
@@ -303,10 +304,10 @@ def named_quantizers(model: nn.Module, activations_only: bool = False) -> Iterat
 
 
 def quantizer_counts(model: nn.Module) -> dict[str, int]:
-    names = [n for n, _ in model.named_modules(remove_duplicate=False) if n.endswith("quantizer")]
+    placements = sum(isinstance(m, TensorQuantizer) for _, m in model.named_modules(remove_duplicate=False))
     distinct = list(named_quantizers(model))
     return {
-        "placements": len(names),
+        "placements": placements,
         "distinct": len(distinct),
         "weight": sum(q.axis is not None for _, q in distinct),
         "activation": sum(q.axis is None for _, q in distinct),

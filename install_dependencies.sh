@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Install the pinned Python stack of yolov9-qat into the active Python (use a venv if you like).
+#   ./install_dependencies.sh [--no-torch] [--tensorrt] [--trex]
+#     --no-torch   keep the torch/torchvision already installed (e.g. an NVIDIA PyTorch container)
+#     --tensorrt   also try the TensorRT Python package (pip); says clearly when it cannot be had
+#     --trex       also try TensorRT Explorer (engine graph SVGs for scripts/val_trt.sh --generate-graph)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+PY="${PYTHON:-python3}"
+TORCH_PINS="torch==2.14.1 torchvision==0.29.1"
+with_torch=1 with_trt=0 with_trex=0
+for arg in "$@"; do
+  case "$arg" in
+    --no-torch) with_torch=0 ;;
+    --tensorrt) with_trt=1 ;;
+    --trex) with_trex=1 ;;
+    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+    *) echo "install_dependencies: error: unknown option $arg (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Running pip as\|^WARNING: Location" || true; }
+
+echo "install_dependencies: Python $("$PY" -c 'import sys; print(sys.version.split()[0])')"
+if [ "$with_torch" = 1 ]; then
+  pip_install -r requirements.txt $TORCH_PINS
+else
+  pip_install -r requirements.txt
+fi
+# pytorch-quantization 2.1.3 is pure Python; its only unusual requirement (sphinx-glpi-theme) is for its docs.
+pip_install --no-deps pytorch-quantization==2.1.3
+# Upstream YOLOv9 imports pkg_resources, which setuptools >= 70 dropped; torch's setuptools>=77 pin only
+# matters for compiling extensions, which this workflow never does.
+pip_install --no-deps setuptools==69.5.1
+
+"$PY" - <<'PY'
+import importlib
+mods = ["torch", "torchvision", "pytorch_quantization", "onnx", "onnxruntime", "onnxslim", "cv2", "pycocotools",
+        "pkg_resources", "IPython", "thop", "yaml", "tqdm", "pandas", "seaborn", "matplotlib", "tensorboard"]
+missing = []
+for m in mods:
+    try:
+        importlib.import_module(m)
+    except Exception as e:
+        missing.append(f"{m} ({type(e).__name__}: {e})")
+if missing:
+    raise SystemExit("install_dependencies: error: cannot import " + ", ".join(missing))
+import torch, onnxruntime, pytorch_quantization
+print(f"install_dependencies: ok: torch {torch.__version__} (CUDA {'yes' if torch.cuda.is_available() else 'no'}), "
+      f"pytorch-quantization {pytorch_quantization.__version__}, onnxruntime {onnxruntime.__version__}")
+PY
+
+if [ "$with_trt" = 1 ]; then
+  if pip_install "tensorrt>=10,<12" && "$PY" -c "import tensorrt" 2>/dev/null; then
+    echo "install_dependencies: TensorRT $("$PY" -c 'import tensorrt; print(tensorrt.__version__)') installed"
+  else
+    echo "install_dependencies: TensorRT could NOT be installed here (the PyPI package downloads its libraries from" \
+         "NVIDIA's servers). Use an NVIDIA container (nvcr.io/nvidia/tensorrt or nvidia/pytorch) or JetPack;" \
+         "meanwhile val_trt.py --backend onnxruntime evaluates the same ONNX." >&2
+  fi
+  command -v trtexec >/dev/null 2>&1 || echo "install_dependencies: note: trtexec is not on PATH (it ships with TensorRT: /usr/src/tensorrt/bin)" >&2
+fi
+if [ "$with_trex" = 1 ]; then
+  if pip_install "git+https://github.com/NVIDIA/TensorRT.git#subdirectory=tools/experimental/trt-engine-explorer" \
+      && "$PY" -c "import trex" 2>/dev/null; then
+    echo "install_dependencies: TensorRT Explorer (trex) installed"
+  else
+    echo "install_dependencies: TensorRT Explorer (trex) could NOT be installed (it comes from GitHub, not PyPI);" \
+         "--generate-graph will save the layer JSON without the SVG." >&2
+  fi
+fi

@@ -1,0 +1,162 @@
+"""Histogram collection and amax selection for activation quantizers.
+
+Drop-in replacement for pytorch-quantization 2.1.3's HistogramCalibrator: same interface
+(`collect`, `compute_amax(method, ...)`, `reset`) and the same amax choices, but
+- bins keep one fixed width when the range grows, so the histogram never changes length between
+  batches (2.1.3 rebuilds its edges with `torch.arange` and can end up one bin off: 2049 vs 2048);
+- `mse` and `entropy` evaluate every candidate amax at once as a matrix instead of a Python loop
+  (2.1.3 needs minutes for a few hundred quantizers), and run on whatever device the histogram is on
+  (2.1.3's mse calls `.cuda()` and fails on CPU).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+AMAX_METHODS = ("mse", "percentile", "entropy")
+_ROWS_PER_CHUNK = 128  # candidate amax values evaluated together; bounds memory to rows x bins
+
+
+class HistogramCollector:
+    """Histogram of |x| over all tensors seen, with fixed-width bins that grow on demand."""
+
+    def __init__(self, num_bits: int = 8, unsigned: bool = False, num_bins: int = 2048):
+        self._num_bits = num_bits
+        self._unsigned = unsigned
+        self._num_bins = num_bins
+        self._max_bins = 4 * num_bins
+        self._hist: torch.Tensor | None = None
+        self._width: float | None = None
+
+    def reset(self) -> None:
+        self._hist = None
+        self._width = None
+
+    @property
+    def hist(self) -> torch.Tensor | None:
+        return self._hist
+
+    @property
+    def bin_edges(self) -> torch.Tensor | None:
+        if self._hist is None:
+            return None
+        n = self._hist.numel()
+        return torch.arange(n + 1, dtype=torch.float64, device=self._hist.device) * self._width
+
+    @torch.no_grad()
+    def collect(self, x: torch.Tensor) -> None:
+        x = x.detach().float().abs().flatten()
+        x_max = float(x.max()) if x.numel() else 0.0
+        if self._hist is None:
+            self._width = max(x_max, 1e-12) / self._num_bins
+            self._hist = torch.zeros(self._num_bins, dtype=torch.float64, device=x.device)
+        n = self._hist.numel()
+        if x_max > n * self._width:
+            needed = math.ceil(x_max / self._width)
+            if needed > self._max_bins:  # range grew by orders of magnitude: merge bins, keep the width uniform
+                factor = math.ceil(needed / self._num_bins)
+                merged = torch.arange(n, device=self._hist.device) // factor
+                self._hist = self._hist.new_zeros(int(merged[-1]) + 1).index_add_(0, merged, self._hist)
+                self._width *= factor
+                needed = math.ceil(x_max / self._width)
+            n_old = self._hist.numel()
+            self._hist = torch.cat([self._hist, self._hist.new_zeros(max(needed - n_old, 0))])
+            n = self._hist.numel()
+        self._hist += torch.histc(x, bins=n, min=0.0, max=n * self._width).to(torch.float64)
+
+    def compute_amax(self, method: str, *, stride: int = 1, start_bin: int = 128,
+                     percentile: float = 99.99) -> torch.Tensor | None:
+        if self._hist is None:
+            return None
+        hist, edges = self._hist, self.bin_edges
+        if method == "percentile":
+            return amax_percentile(hist, edges, percentile)
+        if method == "mse":
+            return amax_mse(hist, edges, self._num_bits, self._unsigned, stride, start_bin)
+        if method == "entropy":
+            return amax_entropy(hist, edges, self._num_bits, self._unsigned, stride, start_bin)
+        raise ValueError(f"unknown amax method {method!r}; choose one of {AMAX_METHODS}")
+
+    def __repr__(self) -> str:
+        n = 0 if self._hist is None else self._hist.numel()
+        return f"HistogramCollector(bins={n}, width={self._width})"
+
+
+def amax_percentile(hist: torch.Tensor, edges: torch.Tensor, percentile: float) -> torch.Tensor:
+    """Smallest bin edge below which `percentile` % of the values lie."""
+    if not 0 <= percentile <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {percentile}")
+    hist = hist.double().cpu()
+    cdf = torch.cumsum(hist / hist.sum(), 0)
+    idx = int(torch.searchsorted(cdf, torch.tensor([percentile / 100], dtype=torch.float64)))
+    return edges[min(idx, edges.numel() - 1)].float().cpu()
+
+
+def _candidate_rows(n: int, start_bin: int, stride: int, inclusive: bool) -> torch.Tensor:
+    stop = n + 1 if inclusive else n
+    return torch.arange(min(start_bin, n - 1), stop, stride)
+
+
+def amax_mse(hist: torch.Tensor, edges: torch.Tensor, num_bits: int = 8, unsigned: bool = False,
+             stride: int = 1, start_bin: int = 128) -> torch.Tensor:
+    """Bin centre that, used as amax, minimises the histogram-weighted quantization MSE."""
+    device = hist.device
+    counts = hist.double()
+    centers = ((edges[1:] + edges[:-1]) / 2).double().to(device)
+    max_bound = 2.0 ** (num_bits - 1 + int(unsigned)) - 1.0
+    candidates = _candidate_rows(centers.numel(), start_bin, stride, inclusive=False).to(device)
+    best_mse, best_idx = math.inf, int(candidates[0])
+    for rows in candidates.split(_ROWS_PER_CHUNK):
+        amax = centers[rows].unsqueeze(1)
+        scale = max_bound / amax
+        quant = torch.clamp(torch.round(centers * scale), -max_bound, max_bound) / scale
+        mse = ((quant - centers) ** 2 * counts).mean(1)
+        i = int(torch.argmin(mse))  # first minimum, as numpy's argmin
+        if float(mse[i]) < best_mse:
+            best_mse, best_idx = float(mse[i]), int(rows[i])
+    return centers[best_idx].float().cpu()
+
+
+def amax_entropy(hist: torch.Tensor, edges: torch.Tensor, num_bits: int = 8, unsigned: bool = False,
+                 stride: int = 1, start_bin: int = 128) -> torch.Tensor:
+    """Bin edge that minimises KL(reference || quantized) of the histogram (TensorRT's entropy calibration).
+
+    For a candidate of i bins, bins [0, i) are merged into `nbins` groups (bin j -> group 128*j // i),
+    each non-empty bin takes its group's mean, and the tail beyond i is folded into bin i-1 of the
+    reference distribution. The last minimum wins, as in pytorch-quantization.
+    """
+    device = hist.device
+    bins = hist.double().clone()
+    bins[0] = bins[1]
+    n = bins.numel()
+    nbins = 1 << (num_bits - 1 + int(unsigned))
+    nonzero = (bins != 0).double()
+    zero = bins.new_zeros(1)
+    cum_bins = torch.cat([zero, torch.cumsum(bins, 0)])
+    cum_nonzero = torch.cat([zero, torch.cumsum(nonzero, 0)])
+    j = torch.arange(n, device=device)
+    groups = torch.arange(nbins + 1, device=device)
+
+    candidates = _candidate_rows(n, start_bin, stride, inclusive=True)
+    divergences = []
+    for rows in candidates.split(_ROWS_PER_CHUNK):
+        i = rows.to(device).unsqueeze(1)                            # (R, 1) bins kept
+        bounds = (groups * i + nbins - 1) // nbins                  # (R, nbins+1) first bin of each group
+        group_sum = cum_bins[bounds[:, 1:]] - cum_bins[bounds[:, :-1]]
+        group_nonzero = cum_nonzero[bounds[:, 1:]] - cum_nonzero[bounds[:, :-1]]
+        group_mean = torch.where(group_nonzero > 0, group_sum / group_nonzero.clamp_min(1), 0.0)
+        inside = j < i                                              # (R, n)
+        group_of_bin = torch.clamp((nbins * j) // i, max=nbins - 1)
+        q = torch.gather(group_mean, 1, group_of_bin) * nonzero * inside
+        p = bins * inside
+        tail = cum_bins[-1] - cum_bins[i.squeeze(1)]
+        p[torch.arange(len(rows), device=device), i.squeeze(1) - 1] += tail
+        p = p / p.sum(1, keepdim=True)
+        q = q / q.sum(1, keepdim=True).clamp_min(1e-300)
+        terms = torch.where(p > 0, p * torch.log(p / q), torch.zeros_like(p))
+        terms = torch.where((p > 0) & (q == 0), torch.full_like(p, math.inf), terms)
+        divergences.append(terms.sum(1))
+    divergences = torch.cat(divergences)
+    best = divergences.numel() - 1 - int(torch.argmin(divergences.flip(0)))
+    return edges[int(candidates[best])].float().cpu()

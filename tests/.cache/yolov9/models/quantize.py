@@ -1,0 +1,469 @@
+"""INT8 quantization of YOLOv9 / GELAN detection models for TensorRT (explicit Q/DQ).
+
+The one place that owns quantization: which modules get quantizers (a declarative `QuantRecipe`),
+the quantized module variants, calibration, checkpoints. The TensorRT scale-sharing rules are derived
+in `models/quantize_rules.py`.
+
+Quantizers are pytorch-quantization's `TensorQuantizer` (its modules, state and Q/DQ export format),
+with two speed/correctness changes kept in `Int8Quantizer`:
+- fake quantization runs through PyTorch's native fused kernels with the scale as a tensor (no host
+  sync per quantizer and step), using the same [-128, 127] range that the exported QuantizeLinear and
+  TensorRT use, so the model that is trained and evaluated is the model that is deployed;
+- calibration histograms use `models.calibrate.HistogramCollector` (fast, CPU and GPU).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import re
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pytorch_quantization import calib
+from pytorch_quantization import nn as quant_nn
+from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
+from pytorch_quantization.tensor_quant import QuantDescriptor
+
+from models.calibrate import AMAX_METHODS, HistogramCollector
+from models.common import AConv, ADown, Concat, RepNBottleneck
+
+CALIB_METHODS = ("max",) + AMAX_METHODS
+_MIN_AMAX = 1e-6  # TensorRT rejects a zero scale; a channel that is all zeros gets this instead
+
+
+# --------------------------------------------------------------------------------------------------
+# Recipe
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QuantRecipe:
+    """What to quantize and how. Patterns are regexes matched (re.search) against module names."""
+
+    num_bits: int = 8
+    calib_method: str = "mse"          # max | mse | percentile | entropy (activations)
+    percentile: float = 99.999         # used by calib_method="percentile"
+    skip: tuple[str, ...] = ()         # module-name patterns left in floating point
+    # DFL decodes box distributions with fixed weights; INT8 there costs box precision, saves nothing.
+    never_quantize: tuple[str, ...] = (r"\.dfl(\.|$)",)
+    share_add_inputs: bool = True      # residual Add inputs use one scale (TensorRT fuses Conv+Add)
+
+    def __post_init__(self):
+        if self.calib_method not in CALIB_METHODS:
+            raise ValueError(f"--calib-method must be one of {CALIB_METHODS}, got {self.calib_method!r}")
+
+    def is_skipped(self, name: str) -> bool:
+        return any(re.search(p, name) for p in self.skip + self.never_quantize)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def skip_patterns(skip_layers: Iterable[str]) -> tuple[str, ...]:
+    """`--skip-layers` values to regexes: a layer index `22` means everything under `model.22.`."""
+    patterns = []
+    for item in skip_layers:
+        item = str(item).strip()
+        if not item:
+            continue
+        if item.isdigit():
+            patterns.append(rf"^model\.{int(item)}(\.|$)")
+        else:
+            try:
+                re.compile(item)
+            except re.error as e:
+                raise ValueError(f"--skip-layers: {item!r} is neither a layer index nor a valid regex ({e})")
+            patterns.append(item)
+    return tuple(patterns)
+
+
+# --------------------------------------------------------------------------------------------------
+# Quantizer
+# --------------------------------------------------------------------------------------------------
+def fake_quant(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
+    """Symmetric fake quantization, per tensor (amax.numel()==1) or per channel along dim 0.
+
+    Exported by torch.onnx as QuantizeLinear/DequantizeLinear with int8 zero points.
+    """
+    bound = 2 ** (num_bits - 1) - 1
+    scale = amax.detach().float().clamp_min(_MIN_AMAX) / bound
+    if torch.onnx.is_in_onnx_export():
+        # A plain value, so the exported scale is a constant rather than ops on the amax buffer.
+        scale = torch.tensor(scale.cpu().numpy(), device=x.device)
+    dtype = x.dtype
+    if dtype != torch.float32:  # AMP: quantize in FP32 (a no-op cast would leave Cast nodes in the ONNX)
+        x = x.float()
+    if scale.numel() == 1:
+        if scale.dim():  # keep the traced graph free of ops on the scale, so export folds it to a constant
+            scale = scale.reshape(())
+        out = torch.fake_quantize_per_tensor_affine(
+            x, scale, torch.zeros_like(scale, dtype=torch.int32), -bound - 1, bound)
+    else:
+        scale = scale.flatten()
+        out = torch.fake_quantize_per_channel_affine(
+            x, scale, torch.zeros_like(scale, dtype=torch.int32), 0, -bound - 1, bound)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+class Int8Quantizer(TensorQuantizer):
+    """TensorQuantizer with native fake-quant kernels and device-safe checkpoint loading."""
+
+    def __init__(self, quant_desc: QuantDescriptor):
+        super().__init__(quant_desc)
+        if quant_desc.calib_method == "histogram":
+            self._calibrator = HistogramCollector(self._num_bits, self._unsigned)
+
+    @property
+    def is_per_tensor(self) -> bool:
+        return self._axis is None
+
+    def _quant_forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return fake_quant(inputs, self._get_amax(inputs), self._num_bits)
+
+    def set_amax(self, amax: torch.Tensor) -> None:
+        amax = amax.detach().float()
+        if hasattr(self, "_amax"):
+            self._amax = amax.to(self._amax.device).reshape(self._amax.shape) \
+                if amax.numel() == self._amax.numel() else amax.to(self._amax.device)
+        else:
+            self.register_buffer("_amax", amax)
+
+    def clear_amax(self) -> None:
+        self._buffers.pop("_amax", None)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # pytorch-quantization creates a missing `_amax` with `.cuda()`; create it where the value is.
+        key = prefix + "_amax"
+        if key in state_dict:
+            self.set_amax(state_dict[key])
+        else:
+            self.clear_amax()
+        nn.Module._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)
+
+
+def _activation_desc(recipe: QuantRecipe) -> QuantDescriptor:
+    method = "max" if recipe.calib_method == "max" else "histogram"
+    return QuantDescriptor(num_bits=recipe.num_bits, calib_method=method)
+
+
+def _weight_desc(recipe: QuantRecipe) -> QuantDescriptor:
+    return QuantDescriptor(num_bits=recipe.num_bits, axis=(0,), calib_method="max")
+
+
+# --------------------------------------------------------------------------------------------------
+# Quantized module variants (instances are converted, upstream classes are untouched)
+# --------------------------------------------------------------------------------------------------
+def _convert_instance(module: nn.Module, cls: type) -> nn.Module:
+    """Re-class a module instance into its quantized subclass, keeping its state and attributes
+    (YOLO's layer bookkeeping `f`, `i`, `type`, `np` included)."""
+    new = cls.__new__(cls)
+    new.__dict__ = module.__dict__.copy()
+    new._modules = module._modules.copy()
+    new._parameters = module._parameters.copy()
+    new._buffers = module._buffers.copy()
+    return new
+
+
+class QuantConcat(Concat):
+    """Concat whose inputs are quantized by one quantizer: TensorRT concatenates INT8 in place."""
+
+    def forward(self, x):
+        return torch.cat([self._input_quantizer(t) for t in x], self.d)
+
+
+class QuantADown(ADown):
+    """ADown with its average pool and max pool running on INT8 inputs."""
+
+    def forward(self, x):
+        x = F.avg_pool2d(self._avgpool_quantizer(x), 2, 1, 0, False, True)
+        x1, x2 = x.chunk(2, 1)
+        x1 = self.cv1(x1)
+        x2 = F.max_pool2d(self._maxpool_quantizer(x2), 3, 2, 1)
+        return torch.cat((x1, self.cv2(x2)), 1)
+
+
+class QuantAConv(AConv):
+    """AConv with its average pool running on an INT8 input."""
+
+    def forward(self, x):
+        return self.cv1(F.avg_pool2d(self._avgpool_quantizer(x), 2, 1, 0, False, True))
+
+
+class QuantRepNBottleneck(RepNBottleneck):
+    """RepNBottleneck whose residual Add takes INT8 inputs, so TensorRT fuses it into the conv."""
+
+    def forward(self, x):
+        y = self.cv2(self.cv1(x))
+        if not self.add:
+            return y
+        return self._add_quantizer0(x) + self._add_quantizer1(y)
+
+
+class QuantUpsample(nn.Upsample):
+    def forward(self, x):
+        return super().forward(self._input_quantizer(x))
+
+
+def _quantizer(desc: QuantDescriptor) -> Int8Quantizer:
+    return Int8Quantizer(desc)
+
+
+def _quant_conv(conv: nn.Conv2d, recipe: QuantRecipe) -> quant_nn.QuantConv2d:
+    q = quant_nn.QuantConv2d(
+        conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+        conv.groups, conv.bias is not None, conv.padding_mode,
+        quant_desc_input=_activation_desc(recipe), quant_desc_weight=_weight_desc(recipe))
+    with torch.no_grad():  # fused convs may hold non-leaf tensors: copy values into fresh parameters
+        q.weight.copy_(conv.weight)
+        if conv.bias is not None:
+            q.bias.copy_(conv.bias)
+    q._input_quantizer = _quantizer(_activation_desc(recipe))
+    q._weight_quantizer = _quantizer(_weight_desc(recipe))
+    return q.to(conv.weight.device)
+
+
+def _quant_maxpool(pool: nn.MaxPool2d, recipe: QuantRecipe) -> quant_nn.QuantMaxPool2d:
+    q = quant_nn.QuantMaxPool2d(pool.kernel_size, pool.stride, pool.padding, pool.dilation,
+                                pool.return_indices, pool.ceil_mode, quant_desc_input=_activation_desc(recipe))
+    q._input_quantizer = _quantizer(_activation_desc(recipe))
+    return q
+
+
+def _attach(module: nn.Module, cls: type, names: tuple[str, ...], recipe: QuantRecipe) -> nn.Module:
+    new = _convert_instance(module, cls)
+    for name in names:
+        new.add_module(name, _quantizer(_activation_desc(recipe)))
+    return new
+
+
+def _quantized_replacement(module: nn.Module, recipe: QuantRecipe) -> nn.Module | None:
+    """The quantized version of `module`, or None when it has no quantized form of its own."""
+    if isinstance(module, nn.Conv2d) and not isinstance(module, quant_nn.QuantConv2d):
+        return _quant_conv(module, recipe)
+    if isinstance(module, nn.MaxPool2d) and not isinstance(module, quant_nn.QuantMaxPool2d):
+        return _quant_maxpool(module, recipe)
+    if type(module) is nn.Upsample:
+        return _attach(module, QuantUpsample, ("_input_quantizer",), recipe)
+    if type(module) is Concat:
+        return _attach(module, QuantConcat, ("_input_quantizer",), recipe)
+    if type(module) is ADown:
+        return _attach(module, QuantADown, ("_avgpool_quantizer", "_maxpool_quantizer"), recipe)
+    if type(module) is AConv:
+        return _attach(module, QuantAConv, ("_avgpool_quantizer",), recipe)
+    if type(module) is RepNBottleneck and module.add:
+        return _attach(module, QuantRepNBottleneck, ("_add_quantizer0", "_add_quantizer1"), recipe)
+    return None
+
+
+def _replace_modules(module: nn.Module, recipe: QuantRecipe, prefix: str = "") -> None:
+    for name, child in list(module.named_children()):
+        full = f"{prefix}.{name}" if prefix else name
+        if recipe.is_skipped(full):
+            continue
+        new = _quantized_replacement(child, recipe)
+        if new is not None:
+            setattr(module, name, new)
+            child = new
+        _replace_modules(child, recipe, full)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model-level API
+# --------------------------------------------------------------------------------------------------
+def quantize_model(model: nn.Module, recipe: QuantRecipe = QuantRecipe(), share: bool = True,
+                   imgsz: int = 64) -> nn.Module:
+    """Insert quantizers into a fused (reparameterized) float YOLO model, in place.
+
+    With `share`, quantizers that TensorRT must give one scale are made one object
+    (see `models.quantize_rules`), so calibration and QAT see them as one.
+    """
+    if is_quantized(model):
+        raise ValueError("model is already quantized")
+    _replace_modules(model, recipe)
+    model.quant_recipe = recipe.to_dict()
+    if share:
+        from models.quantize_rules import share_quantizers  # rules need the quantized model first
+        share_quantizers(model, imgsz=imgsz, share_add_inputs=recipe.share_add_inputs)
+    return model
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, TensorQuantizer) for m in model.modules())
+
+
+def named_quantizers(model: nn.Module, activations_only: bool = False) -> Iterator[tuple[str, TensorQuantizer]]:
+    """Every distinct quantizer once (a shared one under its first name)."""
+    for name, m in model.named_modules():
+        if isinstance(m, TensorQuantizer) and not (activations_only and m.axis is not None):
+            yield name, m
+
+
+def quantizer_counts(model: nn.Module) -> dict[str, int]:
+    placements = sum(isinstance(m, TensorQuantizer) for _, m in model.named_modules(remove_duplicate=False))
+    distinct = list(named_quantizers(model))
+    return {
+        "placements": placements,
+        "distinct": len(distinct),
+        "weight": sum(q.axis is not None for _, q in distinct),
+        "activation": sum(q.axis is None for _, q in distinct),
+        "enabled": sum(not q._disabled for _, q in distinct),
+    }
+
+
+def layer_quantizers(model: nn.Module, layer: int) -> list[TensorQuantizer]:
+    """Quantizers that sit under top-level layer `model.<layer>`."""
+    prefix = f"model.{layer}."
+    seen, out = set(), []
+    for name, m in model.named_modules(remove_duplicate=False):
+        if name.startswith(prefix) and isinstance(m, TensorQuantizer) and id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+    return out
+
+
+@contextlib.contextmanager
+def quantization_disabled(quantizers: Iterable[TensorQuantizer]):
+    """Temporarily run the given quantizers as identity."""
+    quantizers = [q for q in quantizers if not q._disabled]
+    for q in quantizers:
+        q.disable()
+    try:
+        yield
+    finally:
+        for q in quantizers:
+            q.enable()
+
+
+@torch.no_grad()
+def calibrate_weights(model: nn.Module) -> None:
+    """Per-output-channel max |w| of every quantized conv weight (no data needed)."""
+    for m in model.modules():
+        if isinstance(m, quant_nn.QuantConv2d):
+            w = m.weight.detach().float()
+            m._weight_quantizer.set_amax(w.abs().amax(dim=(1, 2, 3), keepdim=True))
+
+
+@torch.no_grad()
+def calibrate_model(model: nn.Module, batches: Iterable[torch.Tensor], method: str = "mse",
+                    percentile: float = 99.999) -> dict[str, float]:
+    """PTQ: collect activation statistics over `batches` (already on the model's device, float,
+    0-1 scaled), then set every amax. Returns timings in seconds."""
+    if method not in CALIB_METHODS:
+        raise ValueError(f"--calib-method must be one of {CALIB_METHODS}, got {method!r}")
+    acts = [q for _, q in named_quantizers(model, activations_only=True) if not q._disabled]
+    for q in acts:
+        if method == "max" and not isinstance(q._calibrator, calib.MaxCalibrator):
+            q._calibrator = calib.MaxCalibrator(q.num_bits, None, q.unsigned)
+        elif method != "max" and not isinstance(q._calibrator, HistogramCollector):
+            q._calibrator = HistogramCollector(q.num_bits, q.unsigned)
+        q._calibrator.reset()
+        q.clear_amax()
+        q.disable_quant()
+        q.enable_calib()
+    calibrate_weights(model)
+    was_training = model.training
+    model.eval()
+    t0 = time.perf_counter()
+    try:
+        for im in batches:
+            model(im)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        for q in acts:
+            amax = q._calibrator.compute_amax() if method == "max" else \
+                q._calibrator.compute_amax(method, percentile=percentile)
+            if amax is None:
+                raise RuntimeError("a quantizer saw no data during calibration; is the model's forward complete?")
+            q.set_amax(amax.reshape(()).to(_device_of(model)))
+    finally:
+        for q in acts:
+            q.disable_calib()
+            q.enable_quant()
+            q._calibrator.reset()
+        model.train(was_training)
+    return {"collect_s": t1 - t0, "compute_amax_s": time.perf_counter() - t1}
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------------------
+def load_float_model(weights: str | Path, device: torch.device | str = "cpu") -> nn.Module:
+    """A reparameterized (converted) float YOLO checkpoint, fused (Conv+BN, RepConvN) and in eval mode.
+
+    Training checkpoints with the auxiliary PGI branch are refused: run reparameterization.py first.
+    """
+    ckpt = read_checkpoint(weights)
+    model = (ckpt.get("ema") or ckpt["model"]).float()
+    if is_quantized(model):
+        raise ValueError(f"{weights}: already quantized; pass the float (converted) weights")
+    head = type(model.model[-1]).__name__
+    if head.startswith(("Dual", "Triple")):
+        raise ValueError(f"{weights}: {head} head found: these are training weights with the auxiliary "
+                         "branch; convert them first with reparameterization.py")
+    model.fuse()
+    return model.to(device).eval()
+
+
+def read_checkpoint(weights: str | Path) -> dict:
+    """torch.load of a file the user passed (pickled YOLO modules need weights_only=False)."""
+    path = Path(weights)
+    if not path.is_file():
+        raise FileNotFoundError(f"--weights {weights}: file not found")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # any unpickling failure means this is not a YOLO checkpoint
+        raise ValueError(f"--weights {weights}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})")
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("ema") or ckpt.get("model"), nn.Module):
+        raise ValueError(f"--weights {weights}: no YOLO model inside (expected a dict with 'model')")
+    return ckpt
+
+
+def load_quantized_model(weights: str | Path, device: torch.device | str = "cpu") -> nn.Module:
+    ckpt = read_checkpoint(weights)
+    model = ckpt["model"]
+    if not is_quantized(model):
+        raise ValueError(f"--weights {weights}: not a quantized model; quantize it first with `qat.py quantize`")
+    return model.float().to(device).eval()
+
+
+def save_checkpoint(model: nn.Module, path: str | Path, **extra) -> Path:
+    """Atomic save (temp file + rename) of a model in FP32: amax and QAT weights keep full precision,
+    so evaluating the file reproduces the numbers measured before saving."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model = copy.deepcopy(model).float().cpu().eval()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save({"model": model, **extra}, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def copy_float(model: nn.Module) -> nn.Module:
+    """A detached copy for use as the frozen float teacher."""
+    teacher = copy.deepcopy(model).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+__all__ = [
+    "QuantRecipe", "Int8Quantizer", "fake_quant", "quantize_model", "is_quantized", "named_quantizers",
+    "quantizer_counts", "layer_quantizers", "quantization_disabled", "calibrate_model", "calibrate_weights",
+    "load_float_model", "load_quantized_model", "read_checkpoint", "save_checkpoint", "copy_float",
+    "skip_patterns", "CALIB_METHODS",
+]

@@ -1,0 +1,87 @@
+"""TensorRT scale-sharing rules, derived from the model itself.
+
+TensorRT fuses an explicitly quantized graph without reformat layers only where every quantizer that
+reads one INT8 tensor uses one scale. Such tensors are joined by data-movement ops (Concat inputs and
+output, MaxPool and Upsample input/output, the two halves of ADown's chunk) and, by choice, by the
+residual Add of RepNBottleneck.
+
+Rather than a hand-written table per block, the rules are read off the graph the model actually
+exports: every per-tensor quantizer gets a distinct marker amax, the model is exported to ONNX in
+memory, each QuantizeLinear is traced back to its quantizer through its scale, and quantizers whose
+inputs fall in one INT8 tensor class (`utils.onnx_utils.int8_tensor_classes`) become one shared
+object. New blocks are covered without new rules, and the lint checks the very same property.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn as nn
+from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
+
+from utils.onnx_utils import constant_values, model_to_onnx, quantized_classes, scale_of
+
+_MARKER_STEP = 1.0 / 1024  # distinct markers survive float32 scale = amax / 127 exactly enough
+
+
+def _marker(k: int) -> float:
+    return 1.0 + k * _MARKER_STEP
+
+
+def _marker_index(scale: float, bound: int) -> int:
+    return int(round((scale * bound - 1.0) / _MARKER_STEP))
+
+
+def derive_shared_groups(model: nn.Module, imgsz: int = 64,
+                         share_add_inputs: bool = True) -> list[list[TensorQuantizer]]:
+    """Groups (size >= 2) of distinct per-tensor quantizers that must share one amax."""
+    quantizers: list[TensorQuantizer] = []
+    for m in model.modules():  # distinct objects, in module order
+        if isinstance(m, TensorQuantizer) and m.axis is None and not m._disabled:
+            quantizers.append(m)
+    device = next(model.parameters()).device
+    saved = [None if q.amax is None else q.amax.clone() for q in quantizers]
+    try:
+        for k, q in enumerate(quantizers):
+            q.set_amax(torch.tensor(_marker(k), device=device))
+        graph = model_to_onnx(model, imgsz).graph
+    finally:
+        for q, amax in zip(quantizers, saved):
+            if amax is None:
+                q.clear_amax()
+            else:
+                q.set_amax(amax)
+
+    consts = constant_values(graph)
+    groups = []
+    for nodes in quantized_classes(graph, share_add_inputs).values():
+        members = {}
+        for node in nodes:
+            k = _marker_index(float(scale_of(node, consts).reshape(-1)[0]), 2 ** (quantizers[0].num_bits - 1) - 1)
+            if not 0 <= k < len(quantizers):
+                raise RuntimeError(f"cannot map QuantizeLinear {node.name} back to a quantizer")
+            members[k] = quantizers[k]
+        if len(members) > 1:
+            groups.append([members[k] for k in sorted(members)])
+    return groups
+
+
+def share_quantizers(model: nn.Module, imgsz: int = 64, share_add_inputs: bool = True) -> int:
+    """Make each group's quantizers one object (the first of the group). Returns the number of groups."""
+    groups = derive_shared_groups(model, imgsz, share_add_inputs)
+    replacement = {id(q): group[0] for group in groups for q in group[1:]}
+    for parent in model.modules():
+        for name, child in list(parent._modules.items()):
+            if child is not None and id(child) in replacement:
+                parent._modules[name] = replacement[id(child)]
+    return len(groups)
+
+
+def unshared_joins(graph, share_add_inputs: bool = True) -> list[dict]:
+    """INT8 tensor classes whose quantizers carry more than one scale (each costs TensorRT a reformat)."""
+    consts = constant_values(graph)
+    problems = []
+    for nodes in quantized_classes(graph, share_add_inputs).values():
+        scales = sorted({float(scale_of(n, consts).reshape(-1)[0]) for n in nodes})
+        if len(scales) > 1 and not np.allclose(scales, scales[0], rtol=1e-6, atol=0):
+            problems.append({"quantize_nodes": [n.name for n in nodes], "scales": scales})
+    return problems

@@ -1,0 +1,87 @@
+"""Fixtures: a real upstream YOLOv9 checkout (scripts/get_yolov9.sh) patched with this overlay, a small
+generated dataset, and float checkpoints of real upstream models. Built once per session and cached
+under tests/.cache (the checkout and the dataset are reused across sessions)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("YOLOV9_QAT_TEST_CACHE", REPO / "tests" / ".cache"))
+CHECKOUT = CACHE / "yolov9"
+IMGSZ = 160
+
+
+def _run(cmd, **kw):
+    return subprocess.run(cmd, check=True, text=True, capture_output=True, **kw)
+
+
+def _build_checkout() -> Path:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    _run(["bash", str(REPO / "scripts" / "get_yolov9.sh"), str(CHECKOUT)])
+    _run(["bash", str(REPO / "patch_yolov9.sh"), str(CHECKOUT)])
+    if str(CHECKOUT) not in sys.path:
+        sys.path.insert(0, str(CHECKOUT))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    return CHECKOUT
+
+
+CHECKOUT_READY = _build_checkout()  # before test modules import models.* from the checkout
+
+
+@pytest.fixture(scope="session")
+def checkout() -> Path:
+    return CHECKOUT_READY
+
+
+@pytest.fixture(scope="session")
+def demo_data() -> Path:
+    """12-class generated dataset, 24 train / 12 val images at 160 px."""
+    out = CACHE / "demo160"
+    if not (out / "data.yaml").is_file():
+        _run([sys.executable, str(REPO / "scripts" / "make_demo_dataset.py"), "--out", str(out), "--train", "24",
+              "--val", "12", "--imgsz", str(IMGSZ), "--seed", "3", "--exist-ok"])
+    return out / "data.yaml"
+
+
+def build_model(cfg: str, nc: int = 12, seed: int = 0):
+    """A real upstream model from its yaml, with BN running stats made non-trivial."""
+    import torch
+    from models.yolo import Model
+    torch.manual_seed(seed)
+    model = Model(str(CHECKOUT / "models" / "detect" / f"{cfg}.yaml"), nc=nc)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.2, 0.2)
+    model.names = [f"class{i}" for i in range(nc)]
+    return model.eval()
+
+
+def save_float_checkpoint(model, path: Path) -> Path:
+    """Saved the way upstream train.py saves (pickled model in FP16)."""
+    import copy
+    import torch
+    torch.save({"model": copy.deepcopy(model).half(), "epoch": -1}, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def gelan_t_weights(tmp_path_factory) -> Path:
+    return save_float_checkpoint(build_model("gelan-t"), tmp_path_factory.mktemp("w") / "gelan-t-demo.pt")
+
+
+def run_cli(script: str, *args, cwd: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run a top-level script of the patched checkout as a user would."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, str(CHECKOUT / script), *map(str, args)], cwd=cwd or CHECKOUT,
+                          text=True, capture_output=True, env=env, timeout=timeout)

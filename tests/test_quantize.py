@@ -1,0 +1,201 @@
+"""The quantize core on real upstream GELAN models: insertion, TensorRT sharing rules, calibration, checkpoints."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_model
+
+from models.calibrate import HistogramCollector, amax_entropy, amax_mse, amax_percentile
+from models.quantize import (CALIB_METHODS, QuantRecipe, calibrate_model, fake_quant, is_quantized, layer_quantizers,
+                             load_quantized_model, named_quantizers, quantization_disabled, quantize_model,
+                             quantizer_counts, save_checkpoint, skip_patterns)
+from models.quantize_rules import unshared_joins
+from utils.onnx_utils import activation_quantize_nodes, model_to_onnx
+
+
+def _quantized(cfg, recipe=QuantRecipe()):
+    model = build_model(cfg)
+    model.fuse()
+    return quantize_model(model, recipe)
+
+
+@pytest.fixture(scope="module")
+def gelan_t():
+    return _quantized("gelan-t")
+
+
+@pytest.fixture(scope="module")
+def gelan_c():
+    return _quantized("gelan-c")
+
+
+def _images(n=2, size=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand(2, 3, size, size, generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("cfg", ["gelan-t", "gelan-c"])
+def test_every_compute_module_is_quantized(cfg, request):
+    from pytorch_quantization import nn as quant_nn
+    model = request.getfixturevalue(cfg.replace("-", "_"))
+    convs = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)]
+    plain = [n for n, m in convs if not isinstance(m, quant_nn.QuantConv2d)]
+    assert plain and all(".dfl." in n for n in plain), f"unquantized convs outside DFL: {plain}"
+    pools = [m for m in model.modules() if isinstance(m, torch.nn.MaxPool2d)]
+    assert pools and all(isinstance(m, quant_nn.QuantMaxPool2d) for m in pools)
+    kinds = {type(m).__name__ for m in model.model}
+    assert {"QuantConcat", "QuantUpsample"} <= kinds
+    assert ("QuantADown" in kinds) == (cfg == "gelan-c") and ("QuantAConv" in kinds) == (cfg == "gelan-t")
+    bottlenecks = [m for m in model.modules() if type(m).__name__ == "QuantRepNBottleneck"]
+    assert bottlenecks
+    counts = quantizer_counts(model)
+    n_qconv = sum(isinstance(m, quant_nn.QuantConv2d) for m in model.modules())
+    assert counts["weight"] == n_qconv
+    assert counts["placements"] > counts["distinct"] > counts["weight"]  # sharing made some quantizers one
+    print(cfg, counts)
+
+
+def test_known_joins_share_one_quantizer(gelan_c, gelan_t):
+    for model in (gelan_c, gelan_t):
+        for i, layer in enumerate(model.model):
+            name = type(layer).__name__
+            if name == "QuantConcat":  # concat inputs share with the conv reading the concat
+                assert layer._input_quantizer is model.model[i + 1].cv1.conv._input_quantizer
+            if name == "QuantADown":  # split halves share; max pool input and output share
+                assert layer.cv1.conv._input_quantizer is layer._maxpool_quantizer is layer.cv2.conv._input_quantizer
+            if name == "SPPELAN":  # the pools and the concat they feed
+                assert layer.cv2.m._input_quantizer is layer.cv3.m._input_quantizer is layer.cv4.m._input_quantizer \
+                    is layer.cv5.conv._input_quantizer
+        for m in model.modules():
+            if type(m).__name__ == "QuantRepNBottleneck":  # residual reads the same tensor as cv1
+                assert m._add_quantizer0 is m.cv1.conv._input_quantizer is m._add_quantizer1
+
+
+@pytest.mark.parametrize("cfg", ["gelan-t", "gelan-c"])
+def test_exported_graph_has_no_unshared_join(cfg, request):
+    model = request.getfixturevalue(cfg.replace("-", "_"))
+    calibrate_model(model, _images(1), "max")
+    graph = model_to_onnx(model, 64).graph
+    assert unshared_joins(graph) == []
+    counts = quantizer_counts(model)
+    n_q = sum(n.op_type == "QuantizeLinear" for n in graph.node)
+    n_act = len(activation_quantize_nodes(graph))
+    assert n_q - n_act == counts["weight"]  # one per-channel Q per conv weight
+    assert n_act >= counts["activation"]    # every activation quantizer appears (shared ones once per tensor)
+
+
+def test_without_sharing_the_lint_finds_joins():
+    model = build_model("gelan-t")
+    model.fuse()
+    quantize_model(model, share=False)
+    calibrate_model(model, _images(1), "max")
+    assert len(unshared_joins(model_to_onnx(model, 64).graph)) > 10
+
+
+@pytest.mark.parametrize("method", CALIB_METHODS)
+def test_calibration_methods(method, gelan_t):
+    times = calibrate_model(gelan_t, _images(2), method, percentile=99.9)
+    acts = [q for _, q in named_quantizers(gelan_t, activations_only=True)]
+    amax = torch.stack([q.amax.float() for q in acts])
+    assert torch.isfinite(amax).all() and (amax > 0).all()
+    weights = [q for _, q in named_quantizers(gelan_t) if q.axis is not None]
+    assert all(q.amax.numel() > 1 for q in weights)
+    assert times["collect_s"] >= 0 and times["compute_amax_s"] >= 0
+    gelan_t.__dict__.setdefault("_amax_by_method", {})[method] = amax
+
+
+def test_max_is_the_widest_range(gelan_t):
+    got = gelan_t.__dict__.get("_amax_by_method", {})
+    if set(got) != set(CALIB_METHODS):
+        pytest.skip("needs the four calibration runs above")
+    for method in ("mse", "percentile", "entropy"):
+        assert (got[method] <= got["max"] * 1.001).all()
+        assert (got[method] < got["max"] * 0.999).any()
+
+
+def _reference_hist(seed, scale):
+    from pytorch_quantization.calib import histogram as H
+    x = torch.from_numpy(np.random.default_rng(seed).standard_t(3, 60000).astype(np.float32)) * scale
+    ref = H.HistogramCalibrator(8, None, False)
+    for chunk in x.split(20000):
+        ref.collect(chunk * (1 + chunk.abs().max() * 0))
+    return ref._calib_hist.int().numpy(), ref._calib_bin_edges.numpy()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_amax_algorithms_match_pytorch_quantization(seed, monkeypatch):
+    from pytorch_quantization.calib import histogram as H
+    hist, edges = _reference_hist(seed, 1 + seed)
+    th, te = torch.from_numpy(hist).double(), torch.from_numpy(edges).double()
+    assert float(amax_entropy(th, te)) == pytest.approx(float(H._compute_amax_entropy(hist.copy(), edges, 8, False)))
+    assert float(amax_percentile(th, te, 99.99)) == pytest.approx(float(H._compute_amax_percentile(hist, edges, 99.99)))
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)  # run the CUDA-only reference on CPU
+    assert float(amax_mse(th, te)) == pytest.approx(float(H._compute_amax_mse(hist.copy(), edges, 8, False)), rel=1e-6)
+
+
+def test_histogram_growth_keeps_one_bin_width():
+    c = HistogramCollector()
+    c.collect(torch.full((10,), 1e-9))      # near-zero first batch: the 2.1.3 failure mode
+    for scale in (1.0, 3.7, 3.7001, 250.0):
+        c.collect(torch.randn(5000) * scale)
+    edges = c.bin_edges
+    assert c.hist.numel() + 1 == edges.numel() <= 4 * 2048 + 1
+    assert torch.allclose(edges[1:] - edges[:-1], edges[1] - edges[0])
+    assert int(c.hist.sum()) == 10 + 4 * 5000
+    assert float(edges[-1]) >= 250.0 * 3  # the largest sample is inside
+
+
+def test_fake_quant_matches_int8_rounding():
+    x = torch.linspace(-3, 3, 1001)
+    amax = torch.tensor(2.0)
+    y = fake_quant(x, amax)
+    scale = 2.0 / 127
+    ref = torch.clamp(torch.round(x / scale), -128, 127) * scale
+    assert torch.allclose(y, ref)
+    w = torch.randn(4, 3, 3, 3)
+    wa = w.abs().amax(dim=(1, 2, 3), keepdim=True)
+    yq = fake_quant(w, wa)
+    assert ((yq - w).abs() <= (wa / 127 / 2 + 1e-7)).all()
+
+
+def test_skip_layers_by_index_and_regex():
+    assert skip_patterns(["22", r"model\.3\."]) == (r"^model\.22(\.|$)", r"model\.3\.")
+    with pytest.raises(ValueError, match="skip-layers"):
+        skip_patterns(["(unclosed"])
+    model = _quantized("gelan-t", QuantRecipe(skip=skip_patterns(["2"])))
+    assert not layer_quantizers(model, 2) or all(
+        "model.2." not in n for n, m in model.named_modules() if type(m).__name__ == "QuantConv2d")
+    from pytorch_quantization import nn as quant_nn
+    assert not any(isinstance(m, quant_nn.QuantConv2d) for m in model.model[2].modules())
+    assert any(isinstance(m, quant_nn.QuantConv2d) for m in model.model[3].modules())
+
+
+def test_disabling_a_layer_changes_the_output(gelan_t):
+    calibrate_model(gelan_t, _images(1), "max")
+    x = _images(1, seed=5)[0]
+    with torch.no_grad():
+        base = gelan_t(x)[0]
+        with quantization_disabled(layer_quantizers(gelan_t, 0)):
+            changed = gelan_t(x)[0]
+        again = gelan_t(x)[0]
+    assert not torch.equal(base, changed)
+    assert torch.equal(base, again)
+
+
+def test_checkpoint_roundtrip_on_cpu(gelan_t, tmp_path):
+    calibrate_model(gelan_t, _images(1), "percentile", percentile=99.99)
+    x = _images(1, seed=7)[0]
+    with torch.no_grad():
+        ref = gelan_t(x)[0]
+    path = save_checkpoint(gelan_t, tmp_path / "q.pt")
+    assert not list(tmp_path.glob("*.tmp"))
+    loaded = load_quantized_model(path, "cpu")
+    assert is_quantized(loaded)
+    with torch.no_grad():
+        assert torch.equal(loaded(x)[0], ref)
+    # state_dict into a freshly quantized model: pytorch-quantization's loader would call .cuda() here
+    fresh = _quantized("gelan-t")
+    fresh.load_state_dict(gelan_t.state_dict())
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(x)[0], ref)
