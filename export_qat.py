@@ -72,7 +72,7 @@ def run(weights, include, imgsz, batch_size, dynamic, simplify_, inplace, opset,
     lint_report = report_lint(proto)
     plain_path = None
     if include == "onnx_end2end":
-        proto = add_efficient_nms(proto, conf_thres, iou_thres, topk_all)
+        proto = add_efficient_nms(proto, int(model.model[-1].nc), conf_thres, iou_thres, topk_all)
     path = save_onnx(proto, output_path(weights, include), exist_ok)
     q, dq = count_qdq(proto)
     result = {"weights": str(weights), "onnx": str(path), "include": include, "quantized": quantized,

@@ -70,7 +70,7 @@ def simplify(proto: onnx.ModelProto) -> onnx.ModelProto:
     return slim
 
 
-def add_efficient_nms(proto: onnx.ModelProto, conf_thres: float, iou_thres: float, max_det: int,
+def add_efficient_nms(proto: onnx.ModelProto, num_classes: int, conf_thres: float, iou_thres: float, max_det: int,
                       class_agnostic: bool = False) -> onnx.ModelProto:
     """Append TensorRT's EfficientNMS_TRT plugin to a (batch, 4+nc, anchors) xywh + scores output.
 
@@ -79,12 +79,9 @@ def add_efficient_nms(proto: onnx.ModelProto, conf_thres: float, iou_thres: floa
     """
     graph = proto.graph
     out = graph.output[0]
-    dims = out.type.tensor_type.shape.dim
-    nc = dims[1].dim_value - 4
-    if nc <= 0:
-        raise ValueError(f"unexpected detection output shape for end-to-end export: {[d.dim_value for d in dims]}")
-    batch = dims[0].dim_param or dims[0].dim_value
-    anchors = dims[2].dim_value
+    nc = num_classes
+    batch_dim = out.type.tensor_type.shape.dim[0]
+    batch = batch_dim.dim_param or batch_dim.dim_value or "batch"
     const = [helper.make_tensor("nms_split", TensorProto.INT64, [2], [4, nc])]
     graph.initializer.extend(const)
     graph.node.extend([
@@ -102,7 +99,7 @@ def add_efficient_nms(proto: onnx.ModelProto, conf_thres: float, iou_thres: floa
         helper.make_tensor_value_info("det_scores", TensorProto.FLOAT, [batch, max_det]),
         helper.make_tensor_value_info("det_classes", TensorProto.INT32, [batch, max_det]),
     ])
-    LOGGER.info(f"{PREFIX}EfficientNMS_TRT appended ({anchors} anchors, {nc} classes, max {max_det} detections)")
+    LOGGER.info(f"{PREFIX}EfficientNMS_TRT appended ({nc} classes, max {max_det} detections per image)")
     return proto
 
 
@@ -142,11 +139,13 @@ def ort_session(path: str | Path, optimize: bool = False):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def _match_fraction(a: list[torch.Tensor], b: list[torch.Tensor], iou: float = 0.95) -> float:
-    """Share of detections in `a` that `b` has too: same class, IoU >= `iou`."""
+def _match_fraction(a: list[torch.Tensor], b: list[torch.Tensor], iou: float = 0.95, top_k: int = 10) -> float:
+    """Share of the `top_k` highest-scoring detections per image in `a` that `b` has too (same class,
+    IoU >= `iou`). Low-score detections are left out: near-equal scores make NMS keep either of two boxes."""
     from utils.metrics import box_iou
     total = matched = 0
     for da, db in zip(a, b):
+        da = da[da[:, 4].argsort(descending=True)[:top_k]]
         total += len(da)
         if len(da) and len(db):
             ious = box_iou(da[:, :4], db[:, :4])

@@ -1,0 +1,143 @@
+"""Export a (quantized) YOLOv9 / GELAN model to ONNX for TensorRT.
+
+    python export_qat.py --weights runs/qat/exp/weights/qat_best_yolov9-c-converted.pt --include onnx --dynamic --simplify
+    python export_qat.py --weights runs/qat/exp/weights/qat_best_yolov9-c-converted.pt --include onnx_end2end
+    python export_qat.py --weights ... --include onnx --verify --data data/coco.yaml   # ONNX Runtime parity
+
+Quantized weights give QuantizeLinear/DequantizeLinear pairs (per-channel weights, axis 0, int8 zero points)
+that TensorRT builds into INT8 kernels; float weights give a plain FP ONNX. Every export is linted for
+TensorRT readiness (utils/qdq_lint.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+FILE = Path(__file__).resolve()
+ROOT = FILE.parents[0]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+
+import torch  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
+
+from models.quantize import is_quantized  # noqa: E402
+from utils.general import LOGGER, colorstr, print_args  # noqa: E402
+from utils.qat_export import (PREFIX, add_efficient_nms, count_qdq, export_to_proto, load_for_export,  # noqa: E402
+                              report_lint, save_onnx, simplify, verify_parity)
+from utils.torch_utils import select_device  # noqa: E402
+
+INCLUDE = ("onnx", "onnx_end2end")
+
+
+def output_path(weights: Path, include: str) -> Path:
+    return weights.with_name(weights.stem + ("-end2end" if include == "onnx_end2end" else "") + ".onnx")
+
+
+def verification_images(data: str, imgsz: int, batch_size: int, n_batches: int) -> list[torch.Tensor]:
+    """Letterboxed validation images, as float 0-1 batches of a fixed shape."""
+    from utils.dataloaders import LoadImages
+    from utils.qat_utils import load_data
+    data_dict = load_data(data)
+    val = data_dict["val"]
+    files = LoadImages(val[0] if isinstance(val, list) else val, img_size=imgsz, stride=32, auto=False)
+    batches, current = [], []
+    for _, im, *_ in files:
+        current.append(torch.from_numpy(im).float() / 255)
+        if len(current) == batch_size:
+            batches.append(torch.stack(current))
+            current = []
+            if len(batches) == n_batches:
+                break
+    if not batches:
+        raise ValueError(f"--data {data}: fewer than --batch-size {batch_size} validation images to verify with")
+    return batches
+
+
+def run(weights, include, imgsz, batch_size, dynamic, simplify_, inplace, opset, device, conf_thres, iou_thres,
+        topk_all, verify, data, verify_batches, exist_ok, **_) -> dict:
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    weights = Path(weights)
+    device = select_device(device)
+    model = load_for_export(weights, device, inplace)
+    quantized = is_quantized(model)
+    im = torch.zeros(batch_size, 3, imgsz, imgsz, device=device)
+    t0 = time.perf_counter()
+    proto = export_to_proto(model, im, opset, dynamic)
+    if simplify_:
+        proto = simplify(proto)
+    lint_report = report_lint(proto)
+    plain_path = None
+    if include == "onnx_end2end":
+        proto = add_efficient_nms(proto, int(model.model[-1].nc), conf_thres, iou_thres, topk_all)
+    path = save_onnx(proto, output_path(weights, include), exist_ok)
+    q, dq = count_qdq(proto)
+    result = {"weights": str(weights), "onnx": str(path), "include": include, "quantized": quantized,
+              "opset": opset, "dynamic": dynamic, "imgsz": imgsz, "batch_size": batch_size, "qdq_pairs": min(q, dq),
+              "quantize_nodes": q, "dequantize_nodes": dq, "lint": lint_report.to_dict(),
+              "outputs": [o.name for o in proto.graph.output], "export_s": round(time.perf_counter() - t0, 2)}
+    LOGGER.info(f"{PREFIX}saved {colorstr('bold', path)} ({path.stat().st_size / 1e6:.1f} MB, {min(q, dq)} Q/DQ pairs, "
+                f"{result['export_s']}s)")
+    if verify:
+        if include == "onnx_end2end":  # ONNX Runtime has no EfficientNMS_TRT: verify the same graph without it
+            plain_path = output_path(weights, "onnx")
+            if not plain_path.exists():
+                save_onnx(export_to_proto(model, im, opset, dynamic), plain_path, exist_ok=False)
+        images = verification_images(data, imgsz, batch_size, verify_batches)
+        result["parity"] = verify_parity(model, plain_path or path, images, 0.25, iou_thres)
+        p = result["parity"]
+        LOGGER.info(f"{PREFIX}ONNX Runtime vs PyTorch on {p['images']} images: max abs err {p['max_abs_err']:.3g}, "
+                    f"rel err {p['rel_err']:.3g}, identical top detections {p['top_detections_identical']:.1%}")
+    return result
+
+
+def parse_opt(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", type=str, required=True, help="model.pt path (quantized or float)")
+    p.add_argument("--include", choices=INCLUDE, default="onnx", help="onnx, or onnx_end2end (+ EfficientNMS_TRT)")
+    p.add_argument("--imgsz", "--img", "--img-size", type=int, default=640, help="image size (pixels)")
+    p.add_argument("--batch-size", type=int, default=1, help="batch size (the largest with --dynamic is set at engine build)")
+    p.add_argument("--dynamic", action="store_true", help="dynamic batch axis")
+    p.add_argument("--simplify", dest="simplify_", action="store_true", help="simplify with onnxslim (Q/DQ kept)")
+    p.add_argument("--inplace", action="store_true", help="set the detection head's inplace flag (as upstream export.py)")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset (>= 13 for per-channel Q/DQ)")
+    p.add_argument("--device", default="cpu", help="cuda device, i.e. 0 or cpu")
+    p.add_argument("--conf-thres", type=float, default=0.25, help="EfficientNMS score threshold")
+    p.add_argument("--iou-thres", type=float, default=0.45, help="EfficientNMS IoU threshold")
+    p.add_argument("--topk-all", type=int, default=100, help="EfficientNMS max detections per image")
+    p.add_argument("--verify", action="store_true", help="compare ONNX Runtime with PyTorch on --data images")
+    p.add_argument("--data", type=str, default=str(ROOT / "data/coco.yaml"), help="dataset.yaml for --verify")
+    p.add_argument("--verify-batches", type=int, default=2, help="batches of images for --verify")
+    p.add_argument("--exist-ok", action="store_true", help="overwrite an existing .onnx")
+    p.add_argument("--json", type=str, default=None, help="also write the export summary to this JSON file")
+    opt = p.parse_args(argv)
+    if opt.opset < 13:
+        p.error(f"--opset must be >= 13 (per-channel QuantizeLinear), got {opt.opset}")
+    if opt.imgsz < 32 or opt.imgsz % 32:
+        p.error(f"--imgsz must be a multiple of 32, got {opt.imgsz}")
+    if opt.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {opt.batch_size}")
+    if not (0 <= opt.conf_thres <= 1 and 0 <= opt.iou_thres <= 1):
+        p.error("--conf-thres and --iou-thres must be in [0, 1]")
+    return opt
+
+
+def main(argv=None) -> int:
+    opt = parse_opt(argv)
+    print_args(vars(opt))
+    try:
+        result = run(**vars(opt))
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        LOGGER.error(f"export_qat.py: error: {e}")
+        return 2
+    if opt.json:
+        from utils.qat_utils import write_json
+        write_json(Path(opt.json), result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Export a YOLOv9 / GELAN model (quantized or float, single or dual head) to ONNX for DeepStream.
+
+    python export_yoloV9.py --weights runs/qat/exp/weights/qat_best_yolov9-c-converted.pt --simplify --dynamic
+
+Writes WEIGHTS.onnx whose one output `output` is [batch, anchors, 6] = x1, y1, x2, y2, score, class (the layout
+DeepStream-Yolo's custom bounding-box parser reads), and labels.txt with one class name per line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+FILE = Path(__file__).resolve()
+ROOT = FILE.parents[0]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
+
+from models.quantize import is_quantized, read_checkpoint  # noqa: E402
+from utils.general import LOGGER, colorstr, print_args  # noqa: E402
+from utils.qat_export import (PREFIX, class_names, count_qdq, export_to_proto, load_for_export,  # noqa: E402
+                              report_lint, save_onnx, simplify)
+
+
+class DeepStreamHead(nn.Module):
+    """Model + conversion of (batch, 4+nc, anchors) xywh/scores into (batch, anchors, 6) boxes/score/class.
+    For dual-head models the main (second) branch is used."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        y = self.model(x)
+        if isinstance(y, (list, tuple)):
+            y = y[-1]
+        y = y.transpose(1, 2)
+        xy, wh, scores = y[..., :2], y[..., 2:4], y[..., 4:]
+        score, cls = scores.max(-1, keepdim=True)
+        return torch.cat([xy - wh / 2, xy + wh / 2, score, cls.to(score.dtype)], -1)
+
+
+def run(weights, size, opset, simplify_, dynamic, batch, device, exist_ok, **_) -> dict:
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    weights = Path(weights)
+    quantized = is_quantized(read_checkpoint(weights)["model"])
+    model = _load_any_head(weights, device)
+    head = type(model.model[-1]).__name__
+    h, w = (size * 2)[:2]
+    im = torch.zeros(batch, 3, h, w, device=device)
+    proto = export_to_proto(model, im, opset, dynamic, wrapper=DeepStreamHead(model).eval(), output_names=("output",))
+    if simplify_:
+        proto = simplify(proto)
+    lint = report_lint(proto)
+    path = save_onnx(proto, weights.with_suffix(".onnx"), exist_ok)
+    labels = weights.parent / "labels.txt"
+    names = class_names(model)
+    tmp = labels.with_suffix(".txt.tmp")
+    tmp.write_text("\n".join(names) + "\n")
+    tmp.replace(labels)
+    q, dq = count_qdq(proto)
+    LOGGER.info(f"{PREFIX}{'QAT (INT8 Q/DQ)' if quantized else 'standard (float)'} model, {head} head -> "
+                f"{colorstr('bold', path)}, {len(names)} labels -> {labels}")
+    return {"onnx": str(path), "labels": str(labels), "quantized": quantized, "head": head, "qdq_pairs": min(q, dq),
+            "lint": lint.to_dict()}
+
+
+def _load_any_head(weights: Path, device):
+    """Dual-head (training) checkpoints are exported as they are; DeepStream reads the main branch."""
+    try:
+        return load_for_export(weights, device)
+    except ValueError as e:
+        if "reparameterization.py" not in str(e):
+            raise
+        ckpt = read_checkpoint(weights)
+        model = (ckpt.get("ema") or ckpt["model"]).float().fuse().to(device).eval()
+        return model
+
+
+def parse_opt(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-w", "--weights", required=True, help="model.pt path")
+    p.add_argument("-s", "--size", nargs="+", type=int, default=[640], help="inference size [H, W]")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset")
+    p.add_argument("--simplify", dest="simplify_", action="store_true", help="simplify with onnxslim")
+    p.add_argument("--dynamic", action="store_true", help="dynamic batch size")
+    p.add_argument("--batch", type=int, default=1, help="static batch size")
+    p.add_argument("--device", default="cpu", help="cpu or cuda device")
+    p.add_argument("--exist-ok", action="store_true", help="overwrite an existing .onnx")
+    opt = p.parse_args(argv)
+    if opt.dynamic and opt.batch > 1:
+        p.error("--dynamic and --batch > 1 cannot be used together: pick a dynamic or a static batch")
+    if len(opt.size) > 2 or any(s < 32 or s % 32 for s in opt.size):
+        p.error(f"--size takes one or two multiples of 32, got {opt.size}")
+    if opt.opset < 13:
+        p.error(f"--opset must be >= 13, got {opt.opset}")
+    return opt
+
+
+def main(argv=None) -> int:
+    opt = parse_opt(argv)
+    print_args(vars(opt))
+    try:
+        run(**vars(opt))
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        LOGGER.error(f"export_yoloV9.py: error: {e}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

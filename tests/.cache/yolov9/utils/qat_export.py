@@ -1,0 +1,178 @@
+"""ONNX export steps shared by export_qat.py and export_yoloV9.py: loading, export, EfficientNMS_TRT,
+onnxslim, atomic save, lint, and the ONNX Runtime parity check."""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+import torch.nn as nn
+from onnx import TensorProto, helper
+
+from models.quantize import is_quantized, load_float_model, load_quantized_model, read_checkpoint
+from utils.general import LOGGER, colorstr
+from utils.onnx_utils import export_onnx
+from utils.qdq_lint import LintReport, lint
+
+PREFIX = colorstr("export: ")
+NMS_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
+
+
+def load_for_export(weights: str | Path, device: str | torch.device = "cpu", inplace: bool = False) -> nn.Module:
+    """Quantized checkpoints as they are; float ones fused. Heads set to (not) modify tensors in place."""
+    ckpt = read_checkpoint(weights)
+    model = load_quantized_model(weights, device) if is_quantized(ckpt["model"]) else load_float_model(weights, device)
+    for m in model.modules():
+        if hasattr(m, "inplace"):
+            m.inplace = inplace
+    return model
+
+
+def class_names(model: nn.Module) -> list[str]:
+    names = getattr(model, "names", None)
+    if isinstance(names, dict):
+        return [names[k] for k in sorted(names)]
+    if names:
+        return list(names)
+    return [f"class{i}" for i in range(int(model.model[-1].nc))]
+
+
+def count_qdq(model: onnx.ModelProto) -> tuple[int, int]:
+    ops = [n.op_type for n in model.graph.node]
+    return ops.count("QuantizeLinear"), ops.count("DequantizeLinear")
+
+
+def export_to_proto(model: nn.Module, im: torch.Tensor, opset: int, dynamic: bool,
+                    wrapper: nn.Module | None = None, output_names=("output0",)) -> onnx.ModelProto:
+    """Export through a temp file (large models exceed protobuf's in-memory limits) and load it back."""
+    module = model if wrapper is None else wrapper
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "model.onnx"
+        export_onnx(module, im, f, opset=opset, dynamic=dynamic, output_names=output_names)
+        proto = onnx.load(str(f))
+    onnx.checker.check_model(proto)
+    return proto
+
+
+def simplify(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxslim, refusing any result that lost Q/DQ pairs (TensorRT would then run those layers in FP16)."""
+    import onnxslim
+    before = count_qdq(proto)
+    slim = onnxslim.slim(proto)
+    after = count_qdq(slim)
+    if after != before:
+        LOGGER.warning(f"{PREFIX}onnxslim changed Q/DQ counts {before} -> {after}; keeping the unsimplified graph")
+        return proto
+    return slim
+
+
+def add_efficient_nms(proto: onnx.ModelProto, num_classes: int, conf_thres: float, iou_thres: float, max_det: int,
+                      class_agnostic: bool = False) -> onnx.ModelProto:
+    """Append TensorRT's EfficientNMS_TRT plugin to a (batch, 4+nc, anchors) xywh + scores output.
+
+    Outputs: num_dets [B,1] int32, det_boxes [B,max_det,4] float (x1,y1,x2,y2), det_scores [B,max_det] float,
+    det_classes [B,max_det] int32.
+    """
+    graph = proto.graph
+    out = graph.output[0]
+    nc = num_classes
+    batch_dim = out.type.tensor_type.shape.dim[0]
+    batch = batch_dim.dim_param or batch_dim.dim_value or "batch"
+    const = [helper.make_tensor("nms_split", TensorProto.INT64, [2], [4, nc])]
+    graph.initializer.extend(const)
+    graph.node.extend([
+        helper.make_node("Transpose", [out.name], ["nms_preds"], perm=[0, 2, 1], name="nms_transpose"),
+        helper.make_node("Split", ["nms_preds", "nms_split"], ["nms_boxes", "nms_scores"], axis=2, name="nms_split"),
+        helper.make_node("EfficientNMS_TRT", ["nms_boxes", "nms_scores"], list(NMS_OUTPUTS), name="EfficientNMS_TRT",
+                         background_class=-1, box_coding=1, iou_threshold=float(iou_thres),
+                         max_output_boxes=int(max_det), plugin_version="1", score_activation=0,
+                         score_threshold=float(conf_thres), class_agnostic=int(class_agnostic)),
+    ])
+    del graph.output[:]
+    graph.output.extend([
+        helper.make_tensor_value_info("num_dets", TensorProto.INT32, [batch, 1]),
+        helper.make_tensor_value_info("det_boxes", TensorProto.FLOAT, [batch, max_det, 4]),
+        helper.make_tensor_value_info("det_scores", TensorProto.FLOAT, [batch, max_det]),
+        helper.make_tensor_value_info("det_classes", TensorProto.INT32, [batch, max_det]),
+    ])
+    LOGGER.info(f"{PREFIX}EfficientNMS_TRT appended ({nc} classes, max {max_det} detections per image)")
+    return proto
+
+
+def save_onnx(proto: onnx.ModelProto, path: Path, exist_ok: bool) -> Path:
+    """Atomic write; an existing file is only replaced with exist_ok."""
+    path = Path(path)
+    if path.exists() and not exist_ok:
+        raise FileExistsError(f"{path} exists; pass --exist-ok to overwrite it")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        onnx.save(proto, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def report_lint(proto: onnx.ModelProto) -> LintReport:
+    report = lint(proto)
+    (LOGGER.warning if report.problems else LOGGER.info)(report.summary())
+    return report
+
+
+# --------------------------------------------------------------------------------------------------
+# Parity with ONNX Runtime
+# --------------------------------------------------------------------------------------------------
+def ort_session(path: str | Path, optimize: bool = False):
+    """CPU session. Without `optimize`, ONNX Runtime executes the Q/DQ graph as written (DQ then float ops),
+    which is the arithmetic the PyTorch fake-quant model does; with it, ORT fuses into its own int8 kernels."""
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                   else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _match_fraction(a: list[torch.Tensor], b: list[torch.Tensor], iou: float = 0.95, top_k: int = 10) -> float:
+    """Share of the `top_k` highest-scoring detections per image in `a` that `b` has too (same class,
+    IoU >= `iou`). Low-score detections are left out: near-equal scores make NMS keep either of two boxes."""
+    from utils.metrics import box_iou
+    total = matched = 0
+    for da, db in zip(a, b):
+        da = da[da[:, 4].argsort(descending=True)[:top_k]]
+        total += len(da)
+        if len(da) and len(db):
+            ious = box_iou(da[:, :4], db[:, :4])
+            same = da[:, 5:6] == db[:, 5].unsqueeze(0)
+            matched += int(((ious >= iou) & same).any(1).sum())
+    return 1.0 if total == 0 else matched / total
+
+
+def verify_parity(model: nn.Module, onnx_path: str | Path, images: list[torch.Tensor],
+                  conf_thres: float = 0.25, iou_thres: float = 0.45) -> dict:
+    """Compare the ONNX (run by ONNX Runtime) with the PyTorch model on real images."""
+    from utils.general import non_max_suppression
+    from utils.onnx_utils import detect_export_mode
+    sess = ort_session(onnx_path)
+    input_name = sess.get_inputs()[0].name
+    max_abs, max_rel, top_match = 0.0, 0.0, []
+    t0 = time.perf_counter()
+    for im in images:
+        with torch.no_grad(), detect_export_mode(model):
+            ref = model(im.to(next(model.parameters()).device)).float().cpu()
+        got = torch.from_numpy(sess.run(None, {input_name: im.cpu().numpy().astype(np.float32)})[0])
+        diff = (got - ref).abs()
+        max_abs = max(max_abs, float(diff.max()))
+        max_rel = max(max_rel, float(diff.norm() / ref.norm().clamp_min(1e-12)))
+        det_ref = non_max_suppression(ref, conf_thres, iou_thres)
+        det_got = non_max_suppression(got, conf_thres, iou_thres)
+        top_match.append(_match_fraction(det_ref, det_got))
+    return {"images": sum(len(im) for im in images), "max_abs_err": max_abs, "rel_err": max_rel,
+            "top_detections_identical": float(np.mean(top_match)) if top_match else 1.0,
+            "seconds": round(time.perf_counter() - t0, 2)}

@@ -1,0 +1,134 @@
+"""TensorRT-readiness lint for Q/DQ ONNX graphs.
+
+    python -m utils.qdq_lint model.onnx [--strict] [--json]
+
+Reports what makes TensorRT insert reformat layers or fall back to FP16/FP32:
+- joins (Concat, MaxPool, Resize, Split/Slice, residual Add) whose quantized tensors carry different scales;
+- Conv/ConvTranspose whose input or weight is not quantized;
+- QuantizeLinear nodes with no DequantizeLinear after them.
+Exit status is 1 with --strict when anything is found, 2 for an unreadable file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import onnx
+
+from utils.onnx_utils import activation_quantize_nodes, constant_values, producers
+
+_CONV_OPS = ("Conv", "ConvTranspose")
+# Convs left in float on purpose (models.quantize.QuantRecipe.never_quantize): DFL's fixed box decoder.
+ALLOWED_FLOAT_CONVS = (r"/dfl/",)
+
+
+@dataclass
+class LintReport:
+    quantize_nodes: int = 0
+    dequantize_nodes: int = 0
+    convs: int = 0
+    quantized_convs: int = 0
+    unshared_joins: list = field(default_factory=list)
+    unquantized_convs: list = field(default_factory=list)
+    float_by_design: list = field(default_factory=list)
+    dangling_quantize: list = field(default_factory=list)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.quantize_nodes > 0
+
+    @property
+    def problems(self) -> int:
+        return len(self.unshared_joins) + len(self.unquantized_convs) + len(self.dangling_quantize)
+
+    def summary(self) -> str:
+        if not self.is_quantized:
+            return f"qdq_lint: no Q/DQ nodes ({self.convs} convs): a float model, TensorRT picks precisions itself"
+        lines = [f"qdq_lint: {self.quantize_nodes} Q / {self.dequantize_nodes} DQ nodes, "
+                 f"{self.quantized_convs}/{self.convs} convs quantized ({len(self.float_by_design)} float by design); "
+                 f"unshared-scale joins: {len(self.unshared_joins)}, unquantized convs: {len(self.unquantized_convs)}, "
+                 f"Q without DQ: {len(self.dangling_quantize)}"]
+        for j in self.unshared_joins:
+            lines.append(f"  join with {len(j['scales'])} scales: {', '.join(j['quantize_nodes'][:4])}")
+        for c in self.unquantized_convs:
+            lines.append(f"  unquantized {c['op']}: {c['node']} ({', '.join(c['missing'])})")
+        for q in self.dangling_quantize:
+            lines.append(f"  Q without DQ: {q}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "problems": self.problems}
+
+
+def lint(model: onnx.ModelProto, share_add_inputs: bool = True,
+         allowed_float: tuple[str, ...] = ALLOWED_FLOAT_CONVS) -> LintReport:
+    from models.quantize_rules import unshared_joins
+    graph = model.graph
+    consts = constant_values(graph)
+    prod = producers(graph)
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for i in node.input:
+            consumers.setdefault(i, []).append(node)
+
+    report = LintReport(
+        quantize_nodes=sum(n.op_type == "QuantizeLinear" for n in graph.node),
+        dequantize_nodes=sum(n.op_type == "DequantizeLinear" for n in graph.node))
+    for node in graph.node:
+        if node.op_type == "QuantizeLinear":
+            if not any(c.op_type == "DequantizeLinear" for c in consumers.get(node.output[0], [])):
+                report.dangling_quantize.append(node.name or node.output[0])
+        if node.op_type in _CONV_OPS:
+            report.convs += 1
+            missing = [role for role, name in (("input", node.input[0]), ("weight", node.input[1]))
+                       if name in consts or prod.get(name) is None or prod[name].op_type != "DequantizeLinear"]
+            if missing and any(re.search(p, node.name) for p in allowed_float):
+                report.float_by_design.append(node.name)
+            elif missing:
+                report.unquantized_convs.append({"node": node.name, "op": node.op_type, "missing": missing})
+            else:
+                report.quantized_convs += 1
+    if report.is_quantized:
+        report.unshared_joins = unshared_joins(graph, share_add_inputs)
+    else:
+        report.unquantized_convs, report.float_by_design = [], []  # nothing to say about a float model
+    return report
+
+
+def lint_file(path: str | Path, share_add_inputs: bool = True) -> LintReport:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: file not found")
+    try:
+        model = onnx.load(str(path))
+    except Exception as e:  # protobuf errors have no common base class
+        raise ValueError(f"{path}: not a readable ONNX model ({e})")
+    return lint(model, share_add_inputs)
+
+
+def parse_opt(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("onnx", help="ONNX model to check")
+    p.add_argument("--strict", action="store_true", help="exit 1 when anything is found")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-share-add", action="store_true", help="do not require one scale for residual Add inputs")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    opt = parse_opt(argv)
+    try:
+        report = lint_file(opt.onnx, not opt.no_share_add)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"qdq_lint: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=2) if opt.json else report.summary())
+    return 1 if opt.strict and report.problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Q/DQ ONNX export on real upstream models: structure, TensorRT lint, ONNX Runtime parity, DeepStream, end2end."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from conftest import IMGSZ, build_model, run_cli, save_float_checkpoint
+
+from models.quantize import calibrate_model, quantize_model, save_checkpoint
+from utils.qat_export import load_for_export, verify_parity
+from utils.onnx_utils import constant_values
+from utils.qdq_lint import lint, lint_file
+
+MODELS = ["gelan-t", "gelan-s", "gelan-c"]
+
+
+def _calib_images(demo_data, n=2):
+    import export_qat
+    return export_qat.verification_images(str(demo_data), IMGSZ, 2, n)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def quantized_weights(request, demo_data, tmp_path_factory):
+    cfg = request.param
+    model = build_model(cfg)
+    model.fuse()
+    quantize_model(model)
+    calibrate_model(model, _calib_images(demo_data), "percentile", percentile=99.99)
+    path = save_checkpoint(model, tmp_path_factory.mktemp(cfg) / f"{cfg}-ptq.pt")
+    return cfg, path
+
+
+def _export(weights, include="onnx", **kw):
+    import export_qat
+    opt = export_qat.parse_opt(["--weights", str(weights), "--include", include, "--imgsz", str(IMGSZ), "--exist-ok"])
+    for k, v in kw.items():
+        setattr(opt, k, v)
+    return export_qat.run(**vars(opt))
+
+
+def test_static_and_dynamic_qdq_export(quantized_weights):
+    cfg, weights = quantized_weights
+    static = _export(weights, batch_size=2)
+    proto = onnx.load(static["onnx"])
+    onnx.checker.check_model(proto)
+    nodes = proto.graph.node
+    ops = [n.op_type for n in nodes]
+    assert ops.count("QuantizeLinear") == ops.count("DequantizeLinear") == static["qdq_pairs"] > 100
+    assert "Cast" not in ops  # nothing between Q/DQ and the ops TensorRT fuses them into
+    assert [i.name for i in proto.graph.input] == ["images"] and static["outputs"] == ["output0"]
+    out_shape = [d.dim_value for d in proto.graph.output[0].type.tensor_type.shape.dim]
+    assert out_shape[0] == 2 and out_shape[1] == 4 + 12
+    values = constant_values(proto.graph)
+    weight_q = 0
+    for n in nodes:
+        if n.op_type == "QuantizeLinear":
+            assert values[n.input[2]].dtype == np.int8 and not values[n.input[2]].any()  # symmetric int8
+            if n.input[0] in values:  # weights: per output channel, axis 0
+                weight_q += 1
+                assert {a.name: a.i for a in n.attribute}.get("axis", 1) == 0
+                assert values[n.input[1]].shape == (values[n.input[0]].shape[0],)
+    assert weight_q > 50
+    report = lint(proto)
+    assert report.quantized_convs == weight_q
+    assert report.unshared_joins == [] and report.unquantized_convs == [] and report.dangling_quantize == []
+    assert report.float_by_design and all("/dfl/" in n for n in report.float_by_design)
+    print(cfg, "Q/DQ pairs", static["qdq_pairs"], "export s", static["export_s"])
+
+    dynamic = _export(weights, dynamic=True, simplify_=True)
+    proto = onnx.load(dynamic["onnx"])
+    assert proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param
+    assert dynamic["qdq_pairs"] == static["qdq_pairs"]  # onnxslim kept every pair
+    assert lint(proto).problems == 0
+
+
+def test_ort_matches_pytorch_fake_quant(quantized_weights, demo_data):
+    """ONNX Runtime executes the exported Q/DQ graph; it must compute what the PyTorch model computes.
+    Tolerance: the two runtimes sum convolutions in different orders, so a value sitting on a rounding
+    boundary of a quantizer can land one INT8 step (amax/127, under 1% of its range) apart and carry that
+    step downstream. Such flips are rare, so the norm-relative error of the raw outputs stays well under
+    2e-2, while any real mismatch (a wrong scale, a missing quantizer, a transposed axis) gives >= 1e-1."""
+    cfg, weights = quantized_weights
+    result = _export(weights, dynamic=True)
+    model = load_for_export(weights)
+    parity = verify_parity(model, result["onnx"], _calib_images(demo_data, 2), conf_thres=0.001, iou_thres=0.7)
+    assert parity["rel_err"] < 2e-2, parity
+    if cfg == "gelan-t":  # untrained s/c models score every box alike (~1e-3), so their NMS order is arbitrary
+        assert parity["top_detections_identical"] >= 0.9, parity
+    print(cfg, parity)
+
+
+def test_float_export_is_exact_and_has_no_qdq(demo_data, tmp_path):
+    model = build_model("gelan-t")
+    weights = save_float_checkpoint(model, tmp_path / "float.pt")
+    result = _export(weights)
+    assert result["qdq_pairs"] == 0 and not result["quantized"]
+    parity = verify_parity(load_for_export(weights), result["onnx"], _calib_images(demo_data, 1))
+    assert parity["rel_err"] < 1e-5, parity
+
+
+def test_scales_in_onnx_are_amax_over_127(tmp_path):
+    model = build_model("gelan-t")
+    model.fuse()
+    quantize_model(model)
+    calibrate_model(model, [torch.rand(1, 3, 64, 64)], "max")
+    q = model.model[0].conv._input_quantizer
+    weights = save_checkpoint(model, tmp_path / "m.pt")
+    proto = onnx.load(_export(weights)["onnx"])
+    inits = constant_values(proto.graph)
+    first_q = next(n for n in proto.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "images")
+    assert float(inits[first_q.input[1]]) == pytest.approx(float(q.amax) / 127, rel=1e-6)
+
+
+def test_end2end_has_efficient_nms_and_cli_lint(quantized_weights, tmp_path):
+    cfg, weights = quantized_weights
+    if cfg != "gelan-t":
+        pytest.skip("one model is enough for the CLI path")
+    r = run_cli("export_qat.py", "--weights", weights, "--include", "onnx_end2end", "--imgsz", IMGSZ,
+                "--dynamic", "--conf-thres", 0.3, "--iou-thres", 0.6, "--topk-all", 50, "--exist-ok")
+    assert r.returncode == 0, r.stderr[-3000:]
+    path = weights.with_name(weights.stem + "-end2end.onnx")
+    proto = onnx.load(str(path))
+    nms = [n for n in proto.graph.node if n.op_type == "EfficientNMS_TRT"]
+    assert len(nms) == 1
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nms[0].attribute}
+    assert attrs["background_class"] == -1 and attrs["box_coding"] == 1 and attrs["score_activation"] == 0
+    assert attrs["max_output_boxes"] == 50
+    assert attrs["score_threshold"] == pytest.approx(0.3) and attrs["iou_threshold"] == pytest.approx(0.6)
+    assert [o.name for o in proto.graph.output] == ["num_dets", "det_boxes", "det_scores", "det_classes"]
+    # The graph below the plugin is the plain export, still lint-clean.
+    assert lint(proto).problems == 0
+    r = run_cli("utils/qdq_lint.py", path, "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_cli("export_qat.py", "--weights", weights, "--include", "onnx_end2end", "--imgsz", IMGSZ)
+    assert r.returncode != 0 and "--exist-ok" in r.stderr + r.stdout  # never overwrites silently
+
+
+def test_lint_flags_unshared_joins_and_strict_fails(tmp_path):
+    model = build_model("gelan-t")
+    model.fuse()
+    quantize_model(model, share=False)
+    calibrate_model(model, [torch.rand(1, 3, 64, 64)], "max")
+    weights = save_checkpoint(model, tmp_path / "unshared.pt")
+    path = _export(weights)["onnx"]
+    report = lint_file(path)
+    assert len(report.unshared_joins) > 10
+    r = run_cli("utils/qdq_lint.py", path, "--strict")
+    assert r.returncode == 1 and "unshared-scale joins" in r.stdout
+    assert run_cli("utils/qdq_lint.py", tmp_path / "missing.onnx").returncode == 2
+
+
+def test_deepstream_export(quantized_weights, tmp_path):
+    cfg, weights = quantized_weights
+    if cfg != "gelan-t":
+        pytest.skip("one model is enough")
+    r = run_cli("export_yoloV9.py", "--weights", weights, "--size", IMGSZ, "--dynamic", "--simplify", "--exist-ok")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "QAT (INT8 Q/DQ)" in r.stdout + r.stderr
+    proto = onnx.load(str(weights.with_suffix(".onnx")))
+    assert [o.name for o in proto.graph.output] == ["output"]
+    assert proto.graph.output[0].type.tensor_type.shape.dim[2].dim_value == 6
+    labels = (weights.parent / "labels.txt").read_text().split()
+    assert labels == [f"class{i}" for i in range(12)]
+    import onnxruntime as ort
+    sess = ort.InferenceSession(str(weights.with_suffix(".onnx")), providers=["CPUExecutionProvider"])
+    out = sess.run(None, {"images": np.random.rand(3, 3, IMGSZ, IMGSZ).astype(np.float32)})[0]
+    assert out.shape[0] == 3 and out.shape[2] == 6
+    assert (out[..., 2] >= out[..., 0]).all() and (out[..., 5] >= 0).all() and (out[..., 5] < 12).all()
+    r = run_cli("export_yoloV9.py", "--weights", weights, "--dynamic", "--batch", 4)
+    assert r.returncode != 0 and "--dynamic and --batch" in r.stderr
