@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""INT8 (Q/DQ) vs FP16 TensorRT latency/throughput sweep over batch sizes with trtexec.
+
+    python scripts/benchmark_trt.py --int8-onnx qat_best.onnx --fp16-onnx float.onnx --imgsz 640 --batches 1 4 8 12
+
+The FP16 engine is built from the float model's ONNX (--fp16-onnx; without it the Q/DQ ONNX is used for both,
+which only shows trtexec's own numbers for that graph). Writes benchmark.json and benchmark.md in --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from utils.trtexec import benchmark_command, comparison_table, parse_summary  # noqa: E402
+
+
+def run(int8_onnx: Path, fp16_onnx: Path | None, imgsz: int, batches: list[int], out: Path, duration: int) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for precision, onnx in (("fp16", fp16_onnx or int8_onnx), ("int8", int8_onnx)):
+        for batch in batches:
+            engine = out / f"{Path(onnx).stem}-{precision}-b{batch}.engine"
+            cmd = benchmark_command(onnx, imgsz, batch, precision == "int8", engine, duration_s=duration)
+            print("benchmark_trt:", " ".join(cmd), flush=True)
+            log = subprocess.run(cmd, text=True, capture_output=True)
+            (out / f"{engine.stem}.log").write_text(log.stdout + log.stderr)
+            if log.returncode != 0:
+                raise RuntimeError(f"trtexec failed for {precision} batch {batch}; see {out / (engine.stem + '.log')}")
+            rows.append({"precision": precision, "batch": batch, "onnx": str(onnx), **parse_summary(log.stdout)})
+    table = comparison_table(rows)
+    result = {"imgsz": imgsz, "rows": rows, "table": table}
+    (out / "benchmark.json").write_text(json.dumps(result, indent=2))
+    (out / "benchmark.md").write_text(table + "\n")
+    print(table)
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--int8-onnx", type=Path, required=True, help="Q/DQ ONNX from export_qat.py --dynamic")
+    p.add_argument("--fp16-onnx", type=Path, default=None, help="float ONNX of the same model, --dynamic")
+    p.add_argument("--imgsz", type=int, default=640)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 12])
+    p.add_argument("--duration", type=int, default=10, help="seconds of timing per point")
+    p.add_argument("--out", type=Path, default=Path("runs/benchmark_trt"))
+    opt = p.parse_args(argv)
+    for f in (opt.int8_onnx, opt.fp16_onnx):
+        if f is not None and not f.is_file():
+            print(f"benchmark_trt: error: {f}: file not found", file=sys.stderr)
+            return 2
+    try:
+        run(opt.int8_onnx, opt.fp16_onnx, opt.imgsz, opt.batches, opt.out, opt.duration)
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        print(f"benchmark_trt: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Deployment evaluation: val_trt.py with the ONNX Runtime backend, trtexec log parsing, TensorRT paths."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import IMGSZ, REPO, build_model, run_cli
+
+from models.quantize import calibrate_model, load_quantized_model, quantize_model, save_checkpoint
+from utils.onnx_utils import detect_export_mode
+
+REFERENCE = REPO.parent / "shared" / "reference" / "002_fd809eff222b6c94.txt"
+
+
+@pytest.fixture(scope="module")
+def quantized(demo_data, tmp_path_factory):
+    import export_qat
+    model = build_model("gelan-t")
+    model.fuse()
+    quantize_model(model)
+    calibrate_model(model, export_qat.verification_images(str(demo_data), IMGSZ, 2, 2), "mse")
+    d = tmp_path_factory.mktemp("vt")
+    weights = save_checkpoint(model, d / "gelan-t-q.pt")
+    r = run_cli("export_qat.py", "--weights", weights, "--include", "onnx", "--dynamic", "--imgsz", IMGSZ)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return weights, weights.with_suffix(".onnx")
+
+
+def _loader(demo_data, batch):
+    from utils.dataloaders import create_dataloader
+    from utils.qat_utils import load_data
+    data = load_data(demo_data)
+    return data, create_dataloader(data["val"], IMGSZ, batch, 32, pad=0.5, rect=False, workers=0)[0]
+
+
+def test_onnxruntime_backend_equals_pytorch(quantized, demo_data):
+    """The same metric loop over the PyTorch fake-quant model and over ONNX Runtime running its Q/DQ export."""
+    from val_trt import OnnxRuntimeRunner, evaluate_runner
+    weights, onnx_path = quantized
+    model = load_quantized_model(weights)
+
+    def torch_runner(images):
+        with torch.no_grad(), detect_export_mode(model):
+            return {"output0": model(images)}
+
+    data, loader = _loader(demo_data, 4)
+    ours, _ = evaluate_runner(OnnxRuntimeRunner(onnx_path), loader, data["nc"], 0.001, 0.7, False, None)
+    ref, _ = evaluate_runner(torch_runner, loader, data["nc"], 0.001, 0.7, False, None)
+    print("ORT", ours, "PyTorch", ref)
+    assert ours["images"] == ref["images"] == 12
+    assert ref["recall"] > 0  # the comparison is not between two empty results
+    for k in ("ap", "ap50", "precision", "recall"):
+        assert ours[k] == pytest.approx(ref[k], abs=0.005), k
+
+
+def test_cli_batch_1_and_3_agree_and_match_qat_eval(quantized, demo_data, tmp_path):
+    weights, onnx_path = quantized
+    results = {}
+    for batch in (1, 3):
+        r = run_cli("val_trt.py", "--onnx-file", onnx_path, "--data", demo_data, "--imgsz", IMGSZ, "--batch-size",
+                    batch, "--workers", 0, "--project", tmp_path, "--name", f"b{batch}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        results[batch] = json.loads((tmp_path / f"b{batch}" / "val_trt.json").read_text())
+    assert results[1]["backend"] == "onnxruntime" and results[1]["images"] == 12
+    for k in ("ap", "ap50", "precision", "recall"):
+        assert results[1][k] == pytest.approx(results[3][k], abs=1e-4), k
+    r = run_cli("qat.py", "eval", "--weights", weights, "--data", demo_data, "--imgsz", IMGSZ, "--batch-size", 4,
+                "--device", "cpu", "--workers", 0, "--project", tmp_path, "--name", "pt")
+    assert r.returncode == 0, r.stderr[-2000:]
+    pt = json.loads((tmp_path / "pt" / "eval.json").read_text())
+    # qat.py eval letterboxes rectangular batches (upstream val for PyTorch); the deployed engine sees squares.
+    assert results[1]["ap"] == pytest.approx(pt["ap"], abs=0.005)
+
+
+def test_bad_inputs(quantized, demo_data, tmp_path):
+    weights, onnx_path = quantized
+    r = run_cli("val_trt.py", "--onnx-file", tmp_path / "none.onnx", "--data", demo_data)
+    assert r.returncode == 2 and "none.onnx: file not found" in r.stderr
+    r = run_cli("val_trt.py", "--onnx-file", onnx_path, "--data", demo_data, "--imgsz", 128, "--workers", 0,
+                "--project", tmp_path)
+    assert r.returncode == 0  # dynamic ONNX: H, W are fixed by export, checked below with a static one
+    static = tmp_path / "static.pt"
+    shutil.copy(weights, static)
+    assert run_cli("export_qat.py", "--weights", static, "--imgsz", IMGSZ, "--batch-size", 2).returncode == 0
+    r = run_cli("val_trt.py", "--onnx-file", static.with_suffix(".onnx"), "--data", demo_data, "--imgsz", IMGSZ,
+                "--batch-size", 4, "--project", tmp_path)
+    assert r.returncode == 2 and "fixed batch of 2" in r.stderr
+    r = run_cli("val_trt.py", "--onnx-file", static.with_suffix(".onnx"), "--data", demo_data, "--imgsz", 192,
+                "--batch-size", 2, "--project", tmp_path)
+    assert r.returncode == 2 and "--imgsz" in r.stderr
+    assert run_cli("export_qat.py", "--weights", static, "--imgsz", IMGSZ, "--include", "onnx_end2end").returncode == 0
+    r = run_cli("val_trt.py", "--onnx-file", static.with_name("static-end2end.onnx"), "--data", demo_data,
+                "--imgsz", IMGSZ, "--project", tmp_path)
+    assert r.returncode == 2 and "EfficientNMS_TRT" in r.stderr
+
+
+def test_trtexec_summaries_from_the_reference_logs():
+    from utils.trtexec import comparison_table, parse_summary
+    if not REFERENCE.is_file():
+        pytest.skip(f"reference logs not present at {REFERENCE}")
+    blocks = REFERENCE.read_text(errors="ignore").split("Throughput:")[1:]
+    parsed = [parse_summary("Throughput:" + b.split("```")[0]) for b in blocks]
+    assert len(parsed) >= 10
+    first = parsed[0]
+    assert first["throughput_qps"] == pytest.approx(1026.71)
+    assert first["latency_ms"]["p99"] == pytest.approx(0.974121)
+    assert first["gpu_compute_ms"]["median"] == pytest.approx(0.972656)
+    assert first["total_host_walltime_s"] == pytest.approx(10.0019)
+    rows = [{"precision": "int8", "batch": 1, **parsed[0]}, {"precision": "fp16", "batch": 1, **parsed[8]}]
+    table = comparison_table(rows)
+    assert "| 1 |" in table and "%" in table
+    with pytest.raises(ValueError, match="no trtexec performance summary"):
+        parse_summary("&&&& FAILED TensorRT.trtexec")
+
+
+def test_trtexec_lines_with_log_prefixes():
+    from utils.trtexec import parse_summary
+    log = ("[11/22/2026-10:00:00] [I] === Performance summary ===\n"
+           "[11/22/2026-10:00:00] [I] Throughput: 250.5 qps\n"
+           "[11/22/2026-10:00:00] [I] Latency: min = 3.9 ms, max = 4.2 ms, mean = 4.0 ms, median = 4.0 ms, "
+           "percentile(90%) = 4.1 ms, percentile(95%) = 4.15 ms, percentile(99%) = 4.19 ms\n")
+    s = parse_summary(log)
+    assert s["throughput_qps"] == 250.5 and s["latency_ms"]["p99"] == 4.19 and s["latency_ms"]["p95"] == 4.15
+
+
+def test_engine_script_without_trtexec_says_how_to_get_it(quantized, tmp_path):
+    if shutil.which("trtexec"):
+        pytest.skip("trtexec is installed here")
+    r = subprocess.run(["bash", str(REPO / "scripts/generate_trt_engine.sh"), str(quantized[1]), str(IMGSZ)],
+                       text=True, capture_output=True)
+    assert r.returncode == 3 and "install_dependencies.sh --tensorrt" in r.stderr
+    assert not Path(str(quantized[1]).replace(".onnx", ".engine")).exists()
+
+
+def test_tensorrt_engine_matches_onnxruntime(quantized, demo_data, tmp_path):
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed here (not installable on this project's "
+                                           "machines); this test runs unchanged where it is")
+    if not shutil.which("trtexec") or not torch.cuda.is_available():
+        pytest.skip("needs trtexec and a CUDA GPU")
+    _, onnx_path = quantized
+    r = subprocess.run(["bash", str(REPO / "scripts/generate_trt_engine.sh"), str(onnx_path), str(IMGSZ), "--min", "1",
+                        "--opt", "4", "--max", "4"], text=True, capture_output=True)
+    assert r.returncode == 0, r.stderr
+    out = {}
+    for name, args in (("trt", ["--engine-file", onnx_path.with_suffix(".engine")]),
+                       ("ort", ["--onnx-file", onnx_path])):
+        r = run_cli("val_trt.py", *args, "--data", demo_data, "--imgsz", IMGSZ, "--batch-size", 4, "--project",
+                    tmp_path, "--name", name)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[name] = json.loads((tmp_path / name / "val_trt.json").read_text())
+    assert out["trt"]["ap"] == pytest.approx(out["ort"]["ap"], abs=0.005)
