@@ -42,14 +42,14 @@ BACKENDS = ("tensorrt", "onnxruntime")
 class OnnxRuntimeRunner:
     def __init__(self, path: str | Path):
         from utils.qat_export import ort_session
-        self.session = ort_session(path, optimize=True)
+        if "EfficientNMS_TRT" in _onnx_ops(path):
+            raise ValueError(f"{path}: has an EfficientNMS_TRT node, which only TensorRT runs; "
+                             "evaluate the plain export (--include onnx) with ONNX Runtime")
+        self.session = ort_session(path)
         inp = self.session.get_inputs()[0]
         self.input_name = inp.name
         self.input_shape = [d if isinstance(d, int) else None for d in inp.shape]
         self.output_names = [o.name for o in self.session.get_outputs()]
-        if "EfficientNMS_TRT" in {n for n in _onnx_ops(path)}:
-            raise ValueError(f"{path}: has an EfficientNMS_TRT node, which only TensorRT runs; "
-                             "evaluate the plain export (--include onnx) with ONNX Runtime")
 
     def __call__(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         outs = self.session.run(None, {self.input_name: images.cpu().numpy().astype(np.float32)})

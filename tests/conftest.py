@@ -50,6 +50,19 @@ def demo_data() -> Path:
     return out / "data.yaml"
 
 
+@pytest.fixture(scope="session")
+def demo_data320() -> Path:
+    """The demo dataset's distribution at 320 px (what assets/gelan-t-demo.pt was trained on), new images."""
+    out = CACHE / "demo320"
+    if not (out / "data.yaml").is_file():
+        _run([sys.executable, str(REPO / "scripts" / "make_demo_dataset.py"), "--out", str(out), "--train", "16",
+              "--val", "100", "--imgsz", "320", "--seed", "5", "--exist-ok"])
+    return out / "data.yaml"
+
+
+TRAINED_T = REPO / "assets" / "gelan-t-demo.pt"  # gelan-t trained on the demo dataset (H100, 60 epochs, 320 px)
+
+
 def build_model(cfg: str, nc: int = 12, seed: int = 0):
     """A real upstream model from its yaml, with BN running stats made non-trivial."""
     import torch

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -39,7 +40,8 @@ def export_onnx(model: nn.Module, im: torch.Tensor, f: str | Path | BinaryIO, *,
     dynamic_axes = None
     if dynamic:
         dynamic_axes = {"images": {0: "batch"}, **{n: {0: "batch"} for n in output_names}}
-    with detect_export_mode(model, dynamic), torch.no_grad():
+    with detect_export_mode(model, dynamic), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # shape-dependent Python in upstream heads
         torch.onnx.export(model, im, f, opset_version=opset, input_names=["images"],
                           output_names=list(output_names), dynamic_axes=dynamic_axes,
                           do_constant_folding=True, dynamo=False)

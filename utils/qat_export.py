@@ -90,7 +90,7 @@ def add_efficient_nms(proto: onnx.ModelProto, num_classes: int, conf_thres: floa
         helper.make_node("EfficientNMS_TRT", ["nms_boxes", "nms_scores"], list(NMS_OUTPUTS), name="EfficientNMS_TRT",
                          background_class=-1, box_coding=1, iou_threshold=float(iou_thres),
                          max_output_boxes=int(max_det), plugin_version="1", score_activation=0,
-                         score_threshold=float(conf_thres), class_agnostic=int(class_agnostic)),
+                         score_threshold=float(conf_thres), **({"class_agnostic": 1} if class_agnostic else {})),
     ])
     del graph.output[:]
     graph.output.extend([
