@@ -11,7 +11,6 @@ TensorRT readiness (utils/qdq_lint.py).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,9 @@ import torch  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from models.quantize import is_quantized  # noqa: E402
-from utils.general import LOGGER, colorstr, print_args  # noqa: E402
+from utils.general import LOGGER, colorstr  # noqa: E402
+from utils.io_utils import cli_main  # noqa: E402
+from utils.qat_utils import write_json  # noqa: E402
 from utils.qat_export import (PREFIX, add_efficient_nms, count_qdq, export_to_proto, load_for_export,  # noqa: E402
                               report_lint, save_onnx, simplify, verify_parity)
 from utils.torch_utils import select_device  # noqa: E402
@@ -58,7 +59,7 @@ def verification_images(data: str, imgsz: int, batch_size: int, n_batches: int) 
 
 
 def run(weights, include, imgsz, batch_size, dynamic, simplify_, inplace, opset, device, conf_thres, iou_thres,
-        topk_all, verify, data, verify_batches, exist_ok, **_) -> dict:
+        topk_all, verify, data, verify_batches, exist_ok, json=None, **_) -> dict:
     absl_logging.set_verbosity(absl_logging.ERROR)
     weights = Path(weights)
     device = select_device(device)
@@ -91,6 +92,8 @@ def run(weights, include, imgsz, batch_size, dynamic, simplify_, inplace, opset,
         p = result["parity"]
         LOGGER.info(f"{PREFIX}ONNX Runtime vs PyTorch on {p['images']} images: max abs err {p['max_abs_err']:.3g}, "
                     f"rel err {p['rel_err']:.3g}, identical top detections {p['top_detections_identical']:.1%}")
+    if json:
+        write_json(Path(json), result)
     return result
 
 
@@ -126,17 +129,7 @@ def parse_opt(argv=None):
 
 
 def main(argv=None) -> int:
-    opt = parse_opt(argv)
-    print_args(vars(opt))
-    try:
-        result = run(**vars(opt))
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
-        LOGGER.error(f"export_qat.py: error: {e}")
-        return 2
-    if opt.json:
-        from utils.qat_utils import write_json
-        write_json(Path(opt.json), result)
-    return 0
+    return cli_main("export_qat.py", parse_opt, run, argv)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ import torch.nn as nn  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from models.quantize import is_quantized, read_checkpoint  # noqa: E402
-from utils.general import LOGGER, colorstr, print_args  # noqa: E402
+from utils.general import LOGGER, colorstr  # noqa: E402
+from utils.io_utils import atomic_write, cli_main  # noqa: E402
 from utils.qat_export import (PREFIX, class_names, count_qdq, export_to_proto, load_for_export,  # noqa: E402
                               report_lint, save_onnx, simplify)
 
@@ -57,11 +58,8 @@ def run(weights, size, opset, simplify_, dynamic, batch, device, exist_ok, **_) 
         proto = simplify(proto)
     lint = report_lint(proto)
     path = save_onnx(proto, weights.with_suffix(".onnx"), exist_ok)
-    labels = weights.parent / "labels.txt"
     names = class_names(model)
-    tmp = labels.with_suffix(".txt.tmp")
-    tmp.write_text("\n".join(names) + "\n")
-    tmp.replace(labels)
+    labels = atomic_write(weights.parent / "labels.txt", lambda tmp: Path(tmp).write_text("\n".join(names) + "\n"))
     q, dq = count_qdq(proto)
     LOGGER.info(f"{PREFIX}{'QAT (INT8 Q/DQ)' if quantized else 'standard (float)'} model, {head} head -> "
                 f"{colorstr('bold', path)}, {len(names)} labels -> {labels}")
@@ -102,14 +100,7 @@ def parse_opt(argv=None):
 
 
 def main(argv=None) -> int:
-    opt = parse_opt(argv)
-    print_args(vars(opt))
-    try:
-        run(**vars(opt))
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
-        LOGGER.error(f"export_yoloV9.py: error: {e}")
-        return 2
-    return 0
+    return cli_main("export_yoloV9.py", parse_opt, run, argv)
 
 
 if __name__ == "__main__":

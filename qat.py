@@ -24,7 +24,8 @@ from absl import logging as absl_logging  # noqa: E402
 from models.quantize import (CALIB_METHODS, QuantRecipe, calibrate_model, copy_float, is_quantized,  # noqa: E402
                              layer_quantizers, load_float_model, load_quantized_model, quantization_disabled,
                              quantize_model, quantizer_counts, read_checkpoint, save_checkpoint, skip_patterns)
-from utils.general import LOGGER, colorstr, increment_path, init_seeds, print_args  # noqa: E402
+from utils.general import LOGGER, colorstr, increment_path, init_seeds  # noqa: E402
+from utils.io_utils import cli_main  # noqa: E402
 from utils.qat_utils import (METRIC_KEYS, distill_epoch, evaluate, image_batches, load_data, load_hyp,  # noqa: E402
                              lr_at, metrics_table, supervised_layers, train_loader, val_loader, write_json)
 from utils.torch_utils import select_device  # noqa: E402
@@ -305,14 +306,7 @@ def run(cmd: str, **kwargs):
 
 
 def main(argv=None) -> int:
-    opt = parse_opt(argv)
-    print_args(vars(opt))
-    try:
-        run(**vars(opt))
-    except (FileNotFoundError, ValueError) as e:
-        LOGGER.error(f"qat.py {opt.cmd}: error: {e}")
-        return 2
-    return 0
+    return cli_main("qat.py", parse_opt, run, argv)
 
 
 if __name__ == "__main__":

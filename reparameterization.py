@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 FILE = Path(__file__).resolve()
@@ -26,7 +24,8 @@ import torch.nn as nn  # noqa: E402
 
 from models.quantize import read_checkpoint  # noqa: E402
 from models.yolo import Model  # noqa: E402
-from utils.general import LOGGER, colorstr, print_args  # noqa: E402
+from utils.general import LOGGER, colorstr  # noqa: E402
+from utils.io_utils import atomic_write, cli_main  # noqa: E402
 
 PREFIX = colorstr("reparameterization: ")
 MODELS = ("t", "s", "m", "c", "e")
@@ -80,7 +79,7 @@ def _pair(gelan, train, gi, tj, mapping: dict) -> None:
 
 def derive_mapping(gelan: nn.Module, train: nn.Module) -> tuple[dict[int, int], dict[str, str]]:
     """Layer map gelan -> training, and the head's sub-module renames (e.g. cv2 -> cv4)."""
-    g_head, t_head = gelan.model[-1], train.model[-1]
+    t_head = train.model[-1]
     if not type(t_head).__name__.startswith("Dual"):
         raise MappingError(f"the weights have a {type(t_head).__name__} head, not a Dual one: "
                            "they are already converted (use them directly with qat.py)")
@@ -155,15 +154,7 @@ def run(cfg, weights, model, device, classes_num, save, exist_ok=False, **_) -> 
     gelan.hyp = getattr(train, "hyp", None)
     out = {"model": copy.deepcopy(gelan).half(), "optimizer": None, "best_fitness": None, "ema": None,
            "updates": None, "epoch": -1, "converted_from": str(weights)}
-    save.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=save.parent, prefix=f".{save.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(out, tmp)
-        os.replace(tmp, save)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    atomic_write(save, lambda tmp: torch.save(out, tmp))
     LOGGER.info(f"{PREFIX}{weights} -> {colorstr('bold', save)}: {summary['layers']} layers, {summary['tensors']} "
                 f"tensors, params {summary['params_before']:,} -> {summary['params_after']:,} (saved FP16)")
     return {**summary, "save": str(save), "gelan": gelan}
@@ -187,14 +178,7 @@ def parse_opt(argv=None):
 
 
 def main(argv=None) -> int:
-    opt = parse_opt(argv)
-    print_args(vars(opt))
-    try:
-        run(**vars(opt))
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
-        LOGGER.error(f"reparameterization.py: error: {e}")
-        return 2
-    return 0
+    return cli_main("reparameterization.py", parse_opt, run, argv)
 
 
 if __name__ == "__main__":

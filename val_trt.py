@@ -12,7 +12,6 @@ num_dets/det_boxes/det_scores/det_classes outputs; --no-nms takes NMS-free outpu
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,8 @@ from tqdm import tqdm  # noqa: E402
 
 from utils.dataloaders import create_dataloader  # noqa: E402
 from utils.general import (LOGGER, TQDM_BAR_FORMAT, colorstr, increment_path, non_max_suppression,  # noqa: E402
-                           print_args, scale_boxes, xywh2xyxy)
+                           scale_boxes, xywh2xyxy)
+from utils.io_utils import cli_main  # noqa: E402
 from utils.metrics import ap_per_class  # noqa: E402
 from utils.qat_utils import load_data, metrics_table, write_json  # noqa: E402
 
@@ -278,14 +278,7 @@ def parse_opt(argv=None):
 
 
 def main(argv=None) -> int:
-    opt = parse_opt(argv)
-    print_args(vars(opt))
-    try:
-        run(**vars(opt))
-    except (FileNotFoundError, ValueError) as e:
-        LOGGER.error(f"val_trt.py: error: {e}")
-        return 2
-    return 0
+    return cli_main("val_trt.py", parse_opt, run, argv)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import re
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 from pytorch_quantization.tensor_quant import QuantDescriptor
 
 from models.calibrate import AMAX_METHODS, HistogramCollector
+from utils.io_utils import atomic_write
 from models.common import AConv, ADown, Concat, RepNBottleneck
 
 CALIB_METHODS = ("max",) + AMAX_METHODS
@@ -439,18 +438,8 @@ def load_quantized_model(weights: str | Path, device: torch.device | str = "cpu"
 def save_checkpoint(model: nn.Module, path: str | Path, **extra) -> Path:
     """Atomic save (temp file + rename) of a model in FP32: amax and QAT weights keep full precision,
     so evaluating the file reproduces the numbers measured before saving."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     model = copy.deepcopy(model).float().cpu().eval()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save({"model": model, **extra}, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+    return atomic_write(path, lambda tmp: torch.save({"model": model, **extra}, tmp))
 
 
 def copy_float(model: nn.Module) -> nn.Module:

@@ -156,3 +156,14 @@ def test_tensorrt_engine_matches_onnxruntime(quantized, demo_data320, tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         out[name] = json.loads((tmp_path / name / "val_trt.json").read_text())
     assert out["trt"]["ap"] == pytest.approx(out["ort"]["ap"], abs=0.005)
+
+
+def test_val_trt_script_falls_back_to_onnxruntime(quantized, demo_data320, checkout):
+    if shutil.which("trtexec"):
+        pytest.skip("TensorRT is installed here: the script would build an engine")
+    weights, _ = quantized
+    r = subprocess.run(["bash", str(checkout / "scripts" / "val_trt.sh"), str(weights), str(demo_data320), str(SIZE),
+                        "--batch-size", "4"], cwd=checkout, text=True, capture_output=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TensorRT (trtexec + Python package) is not available here" in r.stderr
+    assert "ONNX Runtime" in r.stdout + r.stderr and "ms/image (onnxruntime, batch 4)" in r.stdout + r.stderr

@@ -2,7 +2,6 @@
 onnxslim, atomic save, lint, and the ONNX Runtime parity check."""
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from onnx import TensorProto, helper
 
 from models.quantize import is_quantized, load_float_model, load_quantized_model, read_checkpoint
 from utils.general import LOGGER, colorstr
+from utils.io_utils import atomic_write
 from utils.onnx_utils import export_onnx
 from utils.qdq_lint import LintReport, lint
 
@@ -105,18 +105,7 @@ def add_efficient_nms(proto: onnx.ModelProto, num_classes: int, conf_thres: floa
 
 def save_onnx(proto: onnx.ModelProto, path: Path, exist_ok: bool) -> Path:
     """Atomic write; an existing file is only replaced with exist_ok."""
-    path = Path(path)
-    if path.exists() and not exist_ok:
-        raise FileExistsError(f"{path} exists; pass --exist-ok to overwrite it")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        onnx.save(proto, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+    return atomic_write(path, lambda tmp: onnx.save(proto, tmp), exist_ok)
 
 
 def report_lint(proto: onnx.ModelProto) -> LintReport:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import tempfile
 from contextlib import nullcontext
 from pathlib import Path
@@ -19,6 +18,7 @@ from tqdm import tqdm
 import val as validate
 from utils.dataloaders import create_dataloader
 from utils.general import LOGGER, TQDM_BAR_FORMAT, check_dataset, colorstr
+from utils.io_utils import atomic_write
 
 METRIC_KEYS = ("ap", "ap50", "precision", "recall")
 
@@ -193,10 +193,7 @@ def metrics_table(rows: list[tuple[str, dict | None]]) -> str:
 
 def write_json(path: Path, obj) -> Path:
     """Atomic JSON write (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
-    return path
+    def dump(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+    return atomic_write(path, dump)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import onnx
 
-from utils.onnx_utils import activation_quantize_nodes, constant_values, producers
+from utils.onnx_utils import constant_values, producers
 
 _CONV_OPS = ("Conv", "ConvTranspose")
 # Convs left in float on purpose (models.quantize.QuantRecipe.never_quantize): DFL's fixed box decoder.
