@@ -4,7 +4,7 @@
 # checked against PyTorch with ONNX Runtime.
 # A few CPU minutes of training give a weak detector, so by default the quantization steps use
 # assets/gelan-t-demo.pt: gelan-t trained on this same generated dataset (60 epochs at 320 px on an H100,
-# mAP50-95 0.286). MODEL=trained quantizes the model trained here instead.
+# mAP50-95 0.286 there, 0.219 on this CPU machine's copy of the data). MODEL=trained quantizes the model trained here.
 #   bash scripts/demo.sh [--skip-install]
 # Knobs (environment): WORKDIR (./yolov9), DEVICE (cpu / 0), MODEL (embedded | trained), EPOCHS (10),
 #   TRAIN_IMGSZ (160), IMGSZ (320), QAT_EPOCHS (2), QAT_ITERS (30)
