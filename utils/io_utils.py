@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -37,7 +36,3 @@ def cli_main(prog: str, parse_opt: Callable, run: Callable, argv=None) -> int:
         LOGGER.error(f"{prog}: error: {e}")
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit("utils/io_utils.py is a library")
