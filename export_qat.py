@@ -21,7 +21,6 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
 import torch  # noqa: E402
-from absl import logging as absl_logging  # noqa: E402
 
 from models.quantize import is_quantized  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
@@ -60,7 +59,6 @@ def verification_images(data: str, imgsz: int, batch_size: int, n_batches: int) 
 
 def run(weights, include, imgsz, batch_size, dynamic, simplify_, inplace, opset, device, conf_thres, iou_thres,
         topk_all, verify, data, verify_batches, exist_ok, json=None, **_) -> dict:
-    absl_logging.set_verbosity(absl_logging.ERROR)
     weights = Path(weights)
     device = select_device(device)
     model = load_for_export(weights, device, inplace)

@@ -18,7 +18,6 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from absl import logging as absl_logging  # noqa: E402
 
 from models.quantize import is_quantized, read_checkpoint  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
@@ -46,7 +45,6 @@ class DeepStreamHead(nn.Module):
 
 
 def run(weights, size, opset, simplify_, dynamic, batch, device, exist_ok, **_) -> dict:
-    absl_logging.set_verbosity(absl_logging.ERROR)
     weights = Path(weights)
     quantized = is_quantized(read_checkpoint(weights)["model"])
     model = _load_any_head(weights, device)

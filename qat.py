@@ -19,7 +19,6 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
-from absl import logging as absl_logging  # noqa: E402
 
 from models.quantize import (CALIB_METHODS, QuantRecipe, calibrate_model, copy_float, is_quantized,  # noqa: E402
                              layer_quantizers, load_float_model, load_quantized_model, quantization_disabled,
@@ -37,7 +36,6 @@ PREFIX = colorstr("qat: ")
 # Shared steps
 # --------------------------------------------------------------------------------------------------
 def _setup(project, name, exist_ok, device, seed=None):
-    absl_logging.set_verbosity(absl_logging.ERROR)  # pytorch-quantization logs every quantizer state change
     device = select_device(device)
     if seed is not None:
         init_seeds(seed, deterministic=False)

@@ -26,8 +26,11 @@ def atomic_write(path: str | Path, write: Callable[[str], None], exist_ok: bool 
 
 
 def cli_main(prog: str, parse_opt: Callable, run: Callable, argv=None) -> int:
-    """parse_opt() -> print_args -> run(**vars(opt)); a user error is one line on stderr and exit code 2."""
+    """parse_opt() -> print_args -> run(**vars(opt)); a user error is one line on stderr and exit code 2.
+    pytorch-quantization's absl logging is kept to errors."""
+    from absl import logging as absl_logging
     from utils.general import LOGGER, print_args
+    absl_logging.set_verbosity(absl_logging.ERROR)  # pytorch-quantization logs every quantizer state change
     opt = parse_opt(argv)
     print_args(vars(opt))
     try:
