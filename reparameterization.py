@@ -1,6 +1,11 @@
 """YOLOv9 training weights (main + auxiliary PGI branch, Dual head) -> GELAN inference weights ("converted").
 
     python reparameterization.py --weights yolov9-c.pt --model c --cfg models/detect/gelan-c.yaml --save yolov9-c-converted.pt
+    python reparameterization.py --weights yolov9-c-seg.pt --model c-seg --save yolov9-c-seg-converted.pt
+
+Segmentation: yolov9-c-seg (trained from models/segment/yolov9-c-dseg.yaml, DualDSegment head) converts to a
+DSegment GELAN model derived from the training model's main branch: upstream's gelan-c-dseg.yaml has a shallower
+prototype ELAN, and gelan-c-seg.yaml a different head (Segment with a Proto module), so neither matches.
 
 The layer mapping is derived from the two model definitions, not typed per model: starting from the
 detection head, each GELAN layer is paired with the training layer that feeds the matching head input,
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 FILE = Path(__file__).resolve()
@@ -23,12 +29,15 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from models.quantize import read_checkpoint  # noqa: E402
-from models.yolo import Model  # noqa: E402
+from models.yolo import Model, SegmentationModel  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import atomic_write, cli_main  # noqa: E402
 
 PREFIX = colorstr("reparameterization: ")
-MODELS = ("t", "s", "m", "c", "e")
+MODELS = ("t", "s", "m", "c", "e", "c-seg")
+# Upstream has no GELAN yaml equal to yolov9-c-seg's main branch (its prototype ELAN is deeper than
+# gelan-c-dseg.yaml's), so that one is derived from the training model's own definition.
+DERIVED_CFG = ("c-seg",)
 INPUT = None  # the image, as a layer index
 
 
@@ -77,29 +86,94 @@ def _pair(gelan, train, gi, tj, mapping: dict) -> None:
         _pair(gelan, train, a, b, mapping)
 
 
+@dataclass(frozen=True)
+class DualHead:
+    """How a training (Dual) head splits into the GELAN head: which inputs and sub-modules are the main branch."""
+
+    single: str                        # the GELAN head class
+    n_proto: int                       # trailing inputs feeding mask prototypes (aux first, then main)
+    main: dict[str, str] = field(default_factory=dict)   # GELAN sub-module -> training sub-module
+    aux: dict[str, str] = field(default_factory=dict)
+
+    def branches(self, inputs: list) -> tuple[list, list]:
+        """(main, aux) head inputs: detection levels, then this branch's prototype input."""
+        det, proto = inputs[:len(inputs) - self.n_proto], inputs[len(inputs) - self.n_proto:]
+        nl, half = len(det) // 2, self.n_proto // 2
+        return det[nl:] + proto[half:], det[:nl] + proto[:half]
+
+
+# The main branch is the second half of a Dual head's inputs and its second set of sub-modules.
+DUAL_HEADS = {
+    "DualDDetect": DualHead("DDetect", 0, main={"cv2": "cv4", "cv3": "cv5", "dfl": "dfl2"},
+                            aux={"cv2": "cv2", "cv3": "cv3", "dfl": "dfl"}),
+    "DualDSegment": DualHead("DSegment", 2,
+                             main={"cv2": "cv4", "cv3": "cv5", "dfl": "dfl2", "cv4": "cv7", "proto": "proto2"},
+                             aux={"cv2": "cv2", "cv3": "cv3", "dfl": "dfl", "cv4": "cv6", "proto": "proto"}),
+}
+
+
 def derive_mapping(gelan: nn.Module, train: nn.Module) -> tuple[dict[int, int], dict[str, str]]:
     """Layer map gelan -> training, and the head's sub-module renames (e.g. cv2 -> cv4)."""
-    t_head = train.model[-1]
-    if not type(t_head).__name__.startswith("Dual"):
-        raise MappingError(f"the weights have a {type(t_head).__name__} head, not a Dual one: "
+    t_kind, g_kind = type(train.model[-1]).__name__, type(gelan.model[-1]).__name__
+    if not t_kind.startswith("Dual"):
+        raise MappingError(f"the weights have a {t_kind} head, not a Dual one: "
                            "they are already converted (use them directly with qat.py)")
+    if t_kind not in DUAL_HEADS:
+        raise MappingError(f"{t_kind} heads are not supported (supported: {', '.join(DUAL_HEADS)})")
+    head = DUAL_HEADS[t_kind]
+    if g_kind != head.single:
+        raise MappingError(f"a {t_kind} training head converts to a {head.single} head, but the --cfg model has a "
+                           f"{g_kind} head" + (" (use models/segment/gelan-c-dseg.yaml)" if head.n_proto else ""))
     g_in = _inputs(gelan, len(gelan.model) - 1)
-    t_in = _inputs(train, len(train.model) - 1)
-    half = len(t_in) // 2
+    main, aux = head.branches(_inputs(train, len(train.model) - 1))
     errors = []
-    # The main branch is the second half of the Dual head's inputs (cv4/cv5); the first half is auxiliary.
-    for branch, heads in ((t_in[half:], {"cv2": "cv4", "cv3": "cv5", "dfl": "dfl2"}),
-                          (t_in[:half], {"cv2": "cv2", "cv3": "cv3", "dfl": "dfl"})):
+    for branch, renames in ((main, head.main), (aux, head.aux)):
         mapping: dict[int, int] = {}
         try:
             if len(branch) != len(g_in):
                 raise MappingError(f"head inputs: gelan {len(g_in)}, training branch {len(branch)}")
             for a, b in zip(g_in, branch):
                 _pair(gelan, train, a, b, mapping)
-            return mapping, heads
+            return mapping, renames
         except MappingError as e:
             errors.append(str(e))
     raise MappingError(errors[0])
+
+
+def derived_gelan_yaml(train: nn.Module) -> dict:
+    """The GELAN model definition of a training model: the layers its main head branch reads, in order,
+    with the single-branch head. Module arguments are copied, so the layers are built identically."""
+    t_kind = type(train.model[-1]).__name__
+    if t_kind not in DUAL_HEADS or not isinstance(getattr(train, "yaml", None), dict):
+        raise MappingError(f"cannot derive a GELAN model from a {t_kind} model without its yaml definition")
+    head = DUAL_HEADS[t_kind]
+    main, _ = head.branches(_inputs(train, len(train.model) - 1))
+    keep, todo = set(), [_through_silence(train, i) for i in main]
+    while todo:
+        i = todo.pop()
+        if i is not INPUT and i not in keep:
+            keep.add(i)
+            todo += [_through_silence(train, j) for j in _inputs(train, i)]
+    order = sorted(keep)
+    new_index = {old: k for k, old in enumerate(order)}
+    layers = train.yaml["backbone"] + train.yaml["head"]
+
+    def source(k: int, old) -> int:
+        if old is INPUT:
+            if k:
+                raise MappingError(f"training layer {order[k]} reads the image but is not the first layer")
+            return -1
+        return -1 if new_index[old] == k - 1 else new_index[old]
+
+    body = []
+    for k, old in enumerate(order):
+        _, n, module, args = layers[old]
+        sources = [source(k, _through_silence(train, j)) for j in _inputs(train, old)]
+        body.append([sources[0] if len(sources) == 1 else sources, n, module, args])
+    head_args = layers[len(train.model) - 1][3]
+    definition = {k: v for k, v in train.yaml.items() if k not in ("backbone", "head", "ch")}
+    return {**definition, "backbone": body, "head": [[[new_index[_through_silence(train, i)] for i in main], 1,
+                                                       head.single, head_args]]}
 
 
 def convert(train: nn.Module, gelan: nn.Module) -> tuple[nn.Module, dict]:
@@ -137,18 +211,20 @@ def run(cfg, weights, model, device, classes_num, save, exist_ok=False, **_) -> 
     save = Path(save)
     if save.exists() and not exist_ok:
         raise FileExistsError(f"--save {save} exists; pass --exist-ok to overwrite it")
-    if not Path(cfg).is_file():
+    if cfg is not None and not Path(cfg).is_file():
         raise FileNotFoundError(f"--cfg {cfg}: file not found")
     ckpt = read_checkpoint(weights)
     train = (ckpt.get("ema") or ckpt["model"]).float().to(device).eval()
     nc = int(train.model[-1].nc)
     if nc != classes_num:
         raise ValueError(f"--classes_num {classes_num} but {weights} was trained with {nc} classes")
-    gelan = Model(cfg, ch=3, nc=classes_num).to(device).eval()
+    model_class = SegmentationModel if "Segment" in type(train.model[-1]).__name__ else Model
+    target = Path(cfg).name if cfg else "the GELAN model derived from its main branch"
     try:
+        gelan = model_class(cfg or derived_gelan_yaml(train), ch=3, nc=classes_num).to(device).eval()
         gelan, summary = convert(train, gelan)
     except MappingError as e:
-        raise ValueError(f"{weights} does not convert to {Path(cfg).name} (--model {model}): {e}")
+        raise ValueError(f"{weights} does not convert to {target} (--model {model}): {e}")
     gelan.names = getattr(train, "names", [str(i) for i in range(nc)])
     gelan.nc = nc
     gelan.hyp = getattr(train, "hyp", None)
@@ -162,14 +238,18 @@ def run(cfg, weights, model, device, classes_num, save, exist_ok=False, **_) -> 
 
 def parse_opt(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cfg", type=str, default=None, help="gelan model yaml (default: models/detect/gelan-<model>.yaml)")
+    p.add_argument("--cfg", type=str, default=None,
+                   help="gelan model yaml (default: models/detect/gelan-<model>.yaml; c-seg: derived from the weights)")
     p.add_argument("--weights", type=str, required=True, help="trained YOLOv9 weights (.pt)")
-    p.add_argument("--model", choices=MODELS, required=True, help="which YOLOv9: t, s, m, c or e")
+    p.add_argument("--model", choices=MODELS, required=True, help="which YOLOv9: t, s, m, c, e or c-seg")
     p.add_argument("--device", default="cpu", help="cpu or cuda:0")
     p.add_argument("--classes_num", "--classes-num", type=int, default=80, help="number of classes")
-    p.add_argument("--save", type=str, default="./yolov9-c-converted.pt", help="output path")
+    p.add_argument("--save", type=str, default=None, help="output path (default: ./yolov9-<model>-converted.pt)")
     p.add_argument("--exist-ok", action="store_true", help="overwrite --save if it exists")
     opt = p.parse_args(argv)
+    opt.save = opt.save or f"./yolov9-{opt.model}-converted.pt"
+    if opt.model in DERIVED_CFG:
+        return opt
     expected = f"gelan-{opt.model}"
     opt.cfg = opt.cfg or str(ROOT / "models" / "detect" / f"{expected}.yaml")
     if Path(opt.cfg).stem.startswith("gelan-") and Path(opt.cfg).stem != expected:

@@ -19,7 +19,7 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -84,29 +84,56 @@ def skip_patterns(skip_layers: Iterable[str]) -> tuple[str, ...]:
 # --------------------------------------------------------------------------------------------------
 # Quantizer
 # --------------------------------------------------------------------------------------------------
-def fake_quant(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
-    """Symmetric fake quantization, per tensor (amax.numel()==1) or per channel along dim 0.
+class QuantParams(NamedTuple):
+    scale: float | torch.Tensor             # per tensor: a float; per channel: one value per output channel
+    inv_scale: torch.Tensor | None          # per channel: 1 / scale, as the native kernel computes it
+    zero_point: int | torch.Tensor
+    bound: int                              # 127 for INT8: values are clamped to [-bound - 1, bound]
+
+
+def quant_params(amax: torch.Tensor, num_bits: int = 8) -> QuantParams:
+    """Scale and zero point for symmetric INT8 from amax, as host values / plain tensors.
+
+    Built outside the autograd and ONNX traces, so the exported scale is a constant, and cached by the
+    quantizer, so a training step neither recomputes them nor waits on the GPU.
+    """
+    bound = 2 ** (num_bits - 1) - 1
+    scale = amax.detach().float().clamp_min(_MIN_AMAX).cpu().numpy() / bound
+    if scale.size == 1:
+        return QuantParams(float(scale.reshape(())), None, 0, bound)
+    scale = torch.from_numpy(scale.reshape(-1).copy()).to(amax.device)
+    return QuantParams(scale, 1.0 / scale, torch.zeros_like(scale, dtype=torch.int32), bound)
+
+
+def fake_quant_with(x: torch.Tensor, params: QuantParams) -> torch.Tensor:
+    """Fake-quantize with precomputed `quant_params`: per tensor, or per channel along dim 0.
 
     Exported by torch.onnx as QuantizeLinear/DequantizeLinear with int8 zero points.
     """
-    bound = 2 ** (num_bits - 1) - 1
-    scale = amax.detach().float().clamp_min(_MIN_AMAX) / bound
-    if torch.onnx.is_in_onnx_export():
-        # A plain value, so the exported scale is a constant rather than ops on the amax buffer.
-        scale = torch.tensor(scale.cpu().numpy(), device=x.device)
+    scale, inv_scale, zero_point, bound = params
+    per_tensor = isinstance(scale, float)
     dtype = x.dtype
-    if dtype != torch.float32:  # AMP: quantize in FP32 (a no-op cast would leave Cast nodes in the ONNX)
+    # AMP activations: the CUDA kernel quantizes FP16/BF16 directly (it computes in FP32 inside);
+    # casting to FP32 and back would triple the memory traffic of every quantizer.
+    cast = dtype != torch.float32 and not (per_tensor and x.is_cuda and dtype in (torch.float16, torch.bfloat16))
+    if cast:  # only where the kernel lacks the dtype; never in ONNX export, which traces FP32 (no Cast nodes)
         x = x.float()
-    if scale.numel() == 1:
-        if scale.dim():  # keep the traced graph free of ops on the scale, so export folds it to a constant
-            scale = scale.reshape(())
-        out = torch.fake_quantize_per_tensor_affine(
-            x, scale, torch.zeros_like(scale, dtype=torch.int32), -bound - 1, bound)
+    if per_tensor:
+        out = torch.fake_quantize_per_tensor_affine(x, scale, zero_point, -bound - 1, bound)
+    elif torch.onnx.is_in_onnx_export():  # exports as QuantizeLinear/DequantizeLinear with axis=0
+        out = torch.fake_quantize_per_channel_affine(x, scale, zero_point, 0, -bound - 1, bound)
     else:
-        scale = scale.flatten()
-        out = torch.fake_quantize_per_channel_affine(
-            x, scale, torch.zeros_like(scale, dtype=torch.int32), 0, -bound - 1, bound)
-    return out if dtype == torch.float32 else out.to(dtype)
+        # The same values and gradient mask as the per-channel kernel, which reads its zero points back to
+        # the host (two GPU syncs per weight and step): the per-tensor kernel at scale 1 rounds and clamps.
+        shape = (-1,) + (1,) * (x.dim() - 1)
+        out = torch.fake_quantize_per_tensor_affine(x * inv_scale.view(shape), 1.0, 0, -bound - 1, bound)
+        out = out * scale.view(shape)
+    return out.to(dtype) if cast else out
+
+
+def fake_quant(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
+    """Symmetric fake quantization, per tensor (amax.numel()==1) or per channel along dim 0."""
+    return fake_quant_with(x, quant_params(amax, num_bits))
 
 
 class Int8Quantizer(TensorQuantizer):
@@ -122,7 +149,20 @@ class Int8Quantizer(TensorQuantizer):
         return self._axis is None
 
     def _quant_forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return fake_quant(inputs, self._get_amax(inputs), self._num_bits)
+        amax = getattr(self, "_amax", None)
+        if amax is None or self._scale_amax is not None:  # dynamic range: recomputed every call
+            return fake_quant(inputs, self._get_amax(inputs), self._num_bits)
+        # amax changes by replacement (calibration, loading, moving: another tensor) or in place (a new version)
+        cached, version, params = getattr(self, "_params_cache", (None, None, None))
+        if cached is not amax or version != amax._version:
+            params = quant_params(amax, self._num_bits)
+            self._params_cache = (amax, amax._version, params)
+        return fake_quant_with(inputs, params)
+
+    def __getstate__(self) -> dict:  # the cache is derived state: not pickled, not deep-copied
+        state = super().__getstate__()
+        state.pop("_params_cache", None)
+        return state
 
     def set_amax(self, amax: torch.Tensor) -> None:
         amax = amax.detach().float()
@@ -451,8 +491,8 @@ def copy_float(model: nn.Module) -> nn.Module:
 
 
 __all__ = [
-    "QuantRecipe", "Int8Quantizer", "fake_quant", "quantize_model", "is_quantized", "named_quantizers",
-    "quantizer_counts", "layer_quantizers", "quantization_disabled", "calibrate_model", "calibrate_weights",
+    "QuantRecipe", "Int8Quantizer", "fake_quant", "fake_quant_with", "quant_params", "quantize_model", "is_quantized",
+    "named_quantizers", "quantizer_counts", "layer_quantizers", "quantization_disabled", "calibrate_model", "calibrate_weights",
     "load_float_model", "load_quantized_model", "read_checkpoint", "save_checkpoint", "copy_float",
     "skip_patterns", "CALIB_METHODS",
 ]

@@ -68,7 +68,8 @@ def build_model(cfg: str, nc: int = 12, seed: int = 0):
     import torch
     from models.yolo import Model
     torch.manual_seed(seed)
-    model = Model(str(CHECKOUT / "models" / "detect" / f"{cfg}.yaml"), nc=nc)
+    task = "segment" if "seg" in cfg else "detect"
+    model = Model(str(CHECKOUT / "models" / task / f"{cfg}.yaml"), nc=nc)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):

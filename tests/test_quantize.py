@@ -1,10 +1,13 @@
 """The quantize core on real upstream GELAN models: insertion, TensorRT sharing rules, calibration, checkpoints."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 from conftest import build_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.calibrate import HistogramCollector, amax_entropy, amax_mse, amax_percentile
 from models.quantize import (CALIB_METHODS, QuantRecipe, calibrate_model, fake_quant, is_quantized, layer_quantizers,
@@ -157,6 +160,64 @@ def test_fake_quant_matches_int8_rounding():
     wa = w.abs().amax(dim=(1, 2, 3), keepdim=True)
     yq = fake_quant(w, wa)
     assert ((yq - w).abs() <= (wa / 127 / 2 + 1e-7)).all()
+
+
+def _quantizer(amax):
+    from models.quantize import Int8Quantizer, _activation_desc
+    q = Int8Quantizer(_activation_desc(QuantRecipe(calib_method="max")))
+    q.set_amax(torch.tensor(amax))
+    return q
+
+
+class _AtenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_quantizer_runs_one_kernel_per_call_and_follows_amax_changes():
+    q = _quantizer(2.0)
+    x = torch.linspace(-3, 3, 101)
+    assert torch.equal(q(x), fake_quant(x, torch.tensor(2.0)))
+    with _AtenOps() as seen:
+        q(x)
+    assert seen.ops == ["aten.fake_quantize_per_tensor_affine_cachemask.default"], seen.ops
+    q.set_amax(torch.tensor(1.0))  # calibration replaces amax
+    assert torch.equal(q(x), fake_quant(x, torch.tensor(1.0)))
+    with torch.no_grad():
+        q._amax.mul_(3)  # an in-place change is seen too
+    assert torch.equal(q(x), fake_quant(x, torch.tensor(3.0)))
+    q.load_state_dict({"_amax": torch.tensor(0.5)})
+    assert torch.equal(q(x), fake_quant(x, torch.tensor(0.5)))
+    clone = copy.deepcopy(q)
+    assert "_params_cache" not in clone.__dict__ and "_params_cache" not in q.__getstate__()
+    assert torch.equal(clone(x), q(x))
+
+
+def test_weight_quantizer_matches_the_per_channel_kernel_without_host_syncs():
+    from models.quantize import Int8Quantizer, _weight_desc
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(16, 8, 3, 3, generator=g) * torch.rand(16, 1, 1, 1, generator=g) * 4).requires_grad_()
+    amax = w.detach().abs().amax(dim=(1, 2, 3), keepdim=True) * 0.7  # some values clip
+    q = Int8Quantizer(_weight_desc(QuantRecipe()))
+    q.set_amax(amax)
+    q(w)
+    with _AtenOps() as seen:
+        out = q(w)
+        out.backward(torch.ones_like(out))
+    # the per-channel kernel reads its zero points back to the host: two GPU syncs per weight and step
+    assert not any("per_channel" in op or "_local_scalar_dense" in op for op in seen.ops), seen.ops
+    scale = amax.flatten() / 127
+    ref = torch.fake_quantize_per_channel_affine(w.detach(), scale, torch.zeros(16, dtype=torch.int32), 0, -128, 127)
+    assert torch.equal(out.detach(), ref)
+    k = torch.round(w.detach() * (1.0 / (amax / 127)))
+    inside = (k >= -128) & (k <= 127)
+    assert torch.equal(w.grad != 0, inside)  # straight-through inside the range, zero where clipped
+    assert 0 < int((~inside).sum()) < w.numel()
 
 
 def test_skip_layers_by_index_and_regex():

@@ -32,6 +32,50 @@ def test_converted_gelan_equals_main_branch(size, tmp_path):
         assert float((saved["model"].float().eval()(x)[0] - main).abs().max()) < 0.05 * float(main.abs().max())
 
 
+def test_segmentation_pair_equals_main_branch(tmp_path):
+    import reparameterization
+    train = build_model("yolov9-c-dseg", seed=3)
+    weights = save_float_checkpoint(train, tmp_path / "yolov9-c-seg.pt")
+    train = torch.load(weights, weights_only=False)["model"].float().eval()
+    opt = reparameterization.parse_opt(["--weights", str(weights), "--model", "c-seg", "--classes_num", "12",
+                                        "--save", str(tmp_path / "seg.pt")])
+    assert opt.cfg is None  # derived from the training model: no upstream yaml is its main branch
+    summary = reparameterization.run(**vars(opt))
+    gelan = summary["gelan"].float().eval()
+    assert type(gelan.model[-1]).__name__ == "DSegment" and type(gelan).__name__ == "SegmentationModel"
+    assert summary["head"]["proto"] == "proto2" and summary["head"]["cv4"] == "cv7"
+    x = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        (t_det, (_, t_mc, t_proto)), (g_det, (_, g_mc, g_proto)) = train(x), gelan(x)
+    diffs = [float((g - t).abs().max()) for g, t in ((g_det, t_det), (g_mc, t_mc), (g_proto, t_proto))]
+    print(f"yolov9-c-seg: max abs diff det/mask coef/proto {diffs}, "
+          f"params {summary['params_before']:,} -> {summary['params_after']:,}")
+    assert max(diffs) < 1e-4 and float(t_proto.abs().max()) > 0
+    assert summary["params_after"] < summary["params_before"]
+    saved = torch.load(tmp_path / "seg.pt", weights_only=False)["model"]
+    assert next(saved.parameters()).dtype == torch.float16 and list(saved.names) == list(train.names)
+
+
+@pytest.mark.parametrize("size", ["t", "c"])
+def test_derived_definition_rebuilds_upstream_gelan(size):
+    """The main-branch derivation used for yolov9-c-seg gives exactly upstream's gelan-X for detection."""
+    from reparameterization import derived_gelan_yaml
+    from models.yolo import Model
+    derived = Model(derived_gelan_yaml(build_model(f"yolov9-{size}")), nc=12)
+    upstream = build_model(f"gelan-{size}")
+    shapes = [(k, tuple(v.shape)) for k, v in derived.state_dict().items()]
+    assert shapes == [(k, tuple(v.shape)) for k, v in upstream.state_dict().items()]
+
+
+def test_segmentation_weights_refuse_a_segment_head_cfg(tmp_path):
+    weights = save_float_checkpoint(build_model("yolov9-c-dseg"), tmp_path / "yolov9-c-seg.pt")
+    cfg = build_model.__globals__["CHECKOUT"] / "models" / "segment" / "gelan-c-seg.yaml"
+    r = run_cli("reparameterization.py", "--weights", weights, "--model", "c-seg", "--cfg", cfg, "--classes_num", 12,
+                "--save", tmp_path / "out.pt")
+    assert r.returncode != 0 and "converts to a DSegment head" in r.stdout + r.stderr, r.stderr[-1500:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "out.pt").exists()
+
+
 @pytest.fixture(scope="module")
 def yolov9_t_weights(tmp_path_factory):
     return save_float_checkpoint(build_model("yolov9-t", seed=2), tmp_path_factory.mktemp("y9t") / "yolov9-t.pt")
