@@ -37,12 +37,12 @@ def _qat(args: list[str], save_dir: Path) -> dict:
 
 
 def _train(name: str, weights: Path, data: str, imgsz: int, epochs: int, batch_size: int, device: str,
-           out: Path) -> None:
+           workers: int, out: Path) -> None:
     """Train models/detect/NAME.yaml from scratch with upstream train.py (seeded) and keep its best weights."""
     save_dir = out / name / "train"
     cmd = [sys.executable, "train.py", "--data", data, "--cfg", f"models/detect/{name}.yaml", "--weights", "",
            "--hyp", "data/hyps/hyp.scratch-high.yaml", "--img", str(imgsz), "--batch", str(batch_size),
-           "--epochs", str(epochs), "--device", device.replace("cuda:", ""), "--seed", "0",
+           "--epochs", str(epochs), "--device", device.replace("cuda:", ""), "--seed", "0", "--workers", str(workers),
            "--project", str(save_dir.parent), "--name", save_dir.name, "--exist-ok"]
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
@@ -63,14 +63,14 @@ def _ort_map(weights: Path, data: str, imgsz: int, out: Path) -> dict:
 
 def run(models: dict[str, Path], data: str, imgsz: int, device: str, batch_size: int, qat_epochs: int, iters: int,
         out: Path, lr: float = 1e-5, skip_layers: tuple[str, ...] = (), train_epochs: int = 0,
-        calib_batches: int = 25) -> dict:
+        calib_batches: int = 25, workers: int = 8) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     summary = out / "accuracy.json"
     for name, weights in models.items():
         if not weights.is_file():
-            _train(name, weights, data, imgsz, train_epochs, batch_size, device, out)
+            _train(name, weights, data, imgsz, train_epochs, batch_size, device, workers, out)
         common = ["--weights", str(weights), "--data", data, "--imgsz", str(imgsz), "--device", device,
-                  "--batch-size", str(batch_size), "--calib-batches", str(calib_batches)]
+                  "--batch-size", str(batch_size), "--calib-batches", str(calib_batches), "--workers", str(workers)]
         entry = {"weights": str(weights), "imgsz": imgsz, "data": data, "ptq": {}}
         if train_epochs:
             entry["train_epochs"] = train_epochs
@@ -90,7 +90,8 @@ def run(models: dict[str, Path], data: str, imgsz: int, device: str, batch_size:
         entry["qat_settings"] = {"epochs": qat_epochs, "iters": iters, "lr": lr, "skip_layers": list(skip_layers)}
         entry["qat"] = {k: rep["qat_best"][k] for k in ("ap", "ap50", "precision", "recall", "epoch")}
         entry["qat_epochs"] = rep["qat"]
-        entry["ort"] = _ort_map(Path(rep["qat_best_file"]), data, imgsz, out / name / "ort")
+        # inside the QAT run's folder: a result is only reused together with the model it measured
+        entry["ort"] = _ort_map(Path(rep["qat_best_file"]), data, imgsz, Path(rep["save_dir"]) / "ort")
         results = json.loads(summary.read_text())["models"] if summary.is_file() else {}  # other runs' models
         results[name] = entry
         table = accuracy_table(results)
@@ -134,6 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-5, help="peak QAT learning rate")
     p.add_argument("--skip-layers", nargs="*", default=[], help="layers kept in float during QAT")
     p.add_argument("--calib-batches", type=int, default=25)
+    p.add_argument("--workers", type=int, default=8, help="dataloader workers")
     p.add_argument("--train-epochs", type=int, default=0, help="train models whose weights are missing (0: error)")
     p.add_argument("--out", type=Path, default=Path("results"))
     opt = p.parse_args(argv)
@@ -146,7 +148,7 @@ def main(argv=None) -> int:
             return 2
         models[name] = Path(path)
     run(models, opt.data, opt.imgsz, opt.device, opt.batch_size, opt.qat_epochs, opt.iters, opt.out, opt.lr,
-        tuple(opt.skip_layers), opt.train_epochs, opt.calib_batches)
+        tuple(opt.skip_layers), opt.train_epochs, opt.calib_batches, opt.workers)
     return 0
 
 

@@ -6,10 +6,15 @@ backgrounds (gradients, noise, lines, scribbles). Layout:
     OUT/images/{train,val}/*.jpg   OUT/labels/{train,val}/*.txt   OUT/data.yaml
 
     python scripts/make_demo_dataset.py --out datasets/demo --train 400 --val 100 --imgsz 320
+
+The seed fixes the random draws, but the pixels come from OpenCV's rasterizer, and a one-pixel change in an
+object's mask changes its box and, through the overlap test, every later draw: other numpy/OpenCV builds
+produce another copy of the dataset. data.yaml records each split's label fingerprint to tell copies apart.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import shutil
@@ -127,6 +132,14 @@ def make_image(imgsz: int, rng: np.random.Generator, max_objects: int = 6):
     return img, boxes, labels
 
 
+def label_fingerprint(labels_dir: Path) -> str:
+    """md5 of a split's label files, concatenated in name order (equals `cat $(ls | sort) | md5sum`)."""
+    md5 = hashlib.md5()
+    for f in sorted(labels_dir.glob("*.txt")):
+        md5.update(f.read_bytes())
+    return md5.hexdigest()
+
+
 def write_dataset(out: Path, n_train: int, n_val: int, imgsz: int, seed: int) -> Path:
     """Build the dataset in a temp folder beside `out`, then move it into place."""
     out = out.resolve()
@@ -145,7 +158,8 @@ def write_dataset(out: Path, n_train: int, n_val: int, imgsz: int, seed: int) ->
                          f"{(b[2] - b[0]) / imgsz:.6f} {(b[3] - b[1]) / imgsz:.6f}" for c, b in zip(labels, boxes)]
                 (tmp / "labels" / split / f"{stem}.txt").write_text("\n".join(lines) + ("\n" if lines else ""))
         data = {"path": str(out), "train": "images/train", "val": "images/val", "test": "images/val",
-                "nc": len(NAMES), "names": NAMES}
+                "nc": len(NAMES), "names": NAMES,
+                "fingerprint": {split: label_fingerprint(tmp / "labels" / split) for split in ("train", "val")}}
         (tmp / "data.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
         os.replace(tmp, out)
     except BaseException:

@@ -1,10 +1,12 @@
-"""scripts/get_yolov9.sh, patch_yolov9.sh and the demo dataset generator."""
+"""scripts/get_yolov9.sh, patch_yolov9.sh, the demo dataset generator and the accuracy benchmark."""
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 import sys
 
-from conftest import CHECKOUT, REPO
+from conftest import CHECKOUT, IMGSZ, REPO, run_cli
 
 import yaml
 
@@ -71,6 +73,10 @@ def test_demo_dataset_is_deterministic_and_valid(tmp_path):
         assert (a / rel).read_bytes() == (b / rel).read_bytes()
     data = yaml.safe_load((a / "data.yaml").read_text())
     assert data["nc"] == len(data["names"]) >= 10
+    val_labels = b"".join(f.read_bytes() for f in sorted((a / "labels" / "val").glob("*.txt")))
+    assert data["fingerprint"]["val"] == hashlib.md5(val_labels).hexdigest()
+    assert data["fingerprint"] == yaml.safe_load((b / "data.yaml").read_text())["fingerprint"]
+    assert data["fingerprint"]["train"] != data["fingerprint"]["val"]
     classes = set()
     for f in (a / "labels").rglob("*.txt"):
         for line in f.read_text().split("\n"):
@@ -81,3 +87,27 @@ def test_demo_dataset_is_deterministic_and_valid(tmp_path):
     assert classes and max(classes) < data["nc"]
     r = make(tmp_path / "a")
     assert r.returncode != 0 and "--exist-ok" in r.stderr
+
+
+def test_benchmark_accuracy_trains_measures_and_resumes_on_cpu(demo_data, tmp_path):
+    """The GPU accuracy benchmark's whole path at tiny size: train (upstream train.py), PTQ per calibration
+    method, QAT, export, ONNX Runtime mAP, merged JSON + table; a second run reuses every result."""
+    weights, out = tmp_path / "gelan-t.pt", tmp_path / "bench"
+    args = ["--models", f"gelan-t={weights}", "--train-epochs", 1, "--data", demo_data, "--imgsz", IMGSZ,
+            "--batch-size", 4, "--device", "cpu", "--workers", 0, "--qat-epochs", 1, "--iters", 1,
+            "--calib-batches", 1, "--out", out]
+    r = run_cli("scripts/benchmark_accuracy.py", *args, timeout=1500)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert weights.is_file()
+    result = json.loads((out / "accuracy.json").read_text())
+    entry = result["models"]["gelan-t"]
+    assert set(entry["ptq"]) == {"max", "mse", "percentile-99.99", "percentile-99.999", "entropy"}
+    assert entry["train_epochs"] == 1 and entry["qat_settings"]["epochs"] == 1
+    for m in [entry["fp"], entry["qat"], entry["ort"], *entry["ptq"].values()]:
+        assert 0.0 <= m["ap"] <= m["ap50"] <= 1.0
+    assert entry["ptq"]["mse"]["calib_s"] > 0
+    table = (out / "accuracy.md").read_text()
+    assert table.count("| gelan-t |") == 8 and result["table"] == table.strip()
+    again = run_cli("scripts/benchmark_accuracy.py", *args, timeout=600)
+    assert again.returncode == 0 and "qat.py" not in again.stdout and "train.py" not in again.stdout, again.stdout[-2000:]
+    assert json.loads((out / "accuracy.json").read_text())["models"] == result["models"]
