@@ -172,8 +172,8 @@ def derived_gelan_yaml(train: nn.Module) -> dict:
         body.append([sources[0] if len(sources) == 1 else sources, n, module, args])
     head_args = layers[len(train.model) - 1][3]
     definition = {k: v for k, v in train.yaml.items() if k not in ("backbone", "head", "ch")}
-    return {**definition, "backbone": body, "head": [[[new_index[_through_silence(train, i)] for i in main], 1,
-                                                       head.single, head_args]]}
+    head_inputs = [new_index[_through_silence(train, i)] for i in main]
+    return {**definition, "backbone": body, "head": [[head_inputs, 1, head.single, head_args]]}
 
 
 def convert(train: nn.Module, gelan: nn.Module) -> tuple[nn.Module, dict]:

@@ -492,7 +492,7 @@ def copy_float(model: nn.Module) -> nn.Module:
 
 __all__ = [
     "QuantRecipe", "Int8Quantizer", "fake_quant", "fake_quant_with", "quant_params", "quantize_model", "is_quantized",
-    "named_quantizers", "quantizer_counts", "layer_quantizers", "quantization_disabled", "calibrate_model", "calibrate_weights",
-    "load_float_model", "load_quantized_model", "read_checkpoint", "save_checkpoint", "copy_float",
+    "named_quantizers", "quantizer_counts", "layer_quantizers", "quantization_disabled", "calibrate_model",
+    "calibrate_weights", "load_float_model", "load_quantized_model", "read_checkpoint", "save_checkpoint", "copy_float",
     "skip_patterns", "CALIB_METHODS",
 ]

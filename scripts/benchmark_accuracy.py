@@ -80,12 +80,14 @@ def run(models: dict[str, Path], data: str, imgsz: int, device: str, batch_size:
                         *([] if method == "max" else ["--no-eval-origin"])], out / name / f"ptq-{method}")
             if method == "max":
                 entry["fp"] = rep["origin"]
-            entry["ptq"][method] = {**rep["ptq"], "calib_s": rep["timing"]["calib_collect_s"] + rep["timing"]["calib_amax_s"]}
+            timing = rep["timing"]
+            entry["ptq"][method] = {**rep["ptq"], "calib_s": timing["calib_collect_s"] + timing["calib_amax_s"]}
         best_method = max(entry["ptq"], key=lambda m: entry["ptq"][m]["ap"])
         calib = best_method.split("-")[0]
         skip = ["--skip-layers", *skip_layers] if skip_layers else []
         rep = _qat([*common, "--calib-method", calib, *CALIBRATIONS[best_method], "--epochs", str(qat_epochs),
-                    "--iters", str(iters), "--lr", str(lr), *skip, "--no-eval-origin"], out / name / f"qat-{best_method}")
+                    "--iters", str(iters), "--lr", str(lr), *skip, "--no-eval-origin"],
+                   out / name / f"qat-{best_method}")
         entry["qat_calibration"] = best_method
         entry["qat_settings"] = {"epochs": qat_epochs, "iters": iters, "lr": lr, "skip_layers": list(skip_layers)}
         entry["qat"] = {k: rep["qat_best"][k] for k in ("ap", "ap50", "precision", "recall", "epoch")}
