@@ -449,6 +449,8 @@ def load_float_model(weights: str | Path, device: torch.device | str = "cpu") ->
     if head.startswith(("Dual", "Triple")):
         raise ValueError(f"{weights}: {head} head found: these are training weights with the auxiliary "
                          "branch; convert them first with reparameterization.py")
+    if "Segment" in head or "Panoptic" in head:
+        raise ValueError(f"{weights}: {head} head: segmentation models are not supported by QAT yet (detection only)")
     model.fuse()
     return model.to(device).eval()
 
