@@ -6,9 +6,10 @@ in `models/quantize_rules.py`.
 
 Quantizers are pytorch-quantization's `TensorQuantizer` (its modules, state and Q/DQ export format),
 with two speed/correctness changes kept in `Int8Quantizer`:
-- fake quantization runs through PyTorch's native fused kernels with the scale as a tensor (no host
-  sync per quantizer and step), using the same [-128, 127] range that the exported QuantizeLinear and
-  TensorRT use, so the model that is trained and evaluated is the model that is deployed;
+- fake quantization runs through PyTorch's native fused kernels with scales computed once per amax
+  (no host sync and one to three kernels per quantizer and step; FP16 activations stay FP16), using the
+  same [-128, 127] range that the exported QuantizeLinear and TensorRT use, so the model that is trained
+  and evaluated is the model that is deployed;
 - calibration histograms use `models.calibrate.HistogramCollector` (fast, CPU and GPU).
 """
 from __future__ import annotations
