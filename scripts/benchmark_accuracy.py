@@ -89,7 +89,12 @@ def run(models: dict[str, Path], data: str, imgsz: int, device: str, batch_size:
                     "--iters", str(iters), "--lr", str(lr), *skip, "--no-eval-origin"],
                    out / name / f"qat-{best_method}")
         entry["qat_calibration"] = best_method
-        entry["qat_settings"] = {"epochs": qat_epochs, "iters": iters, "lr": lr, "skip_layers": list(skip_layers)}
+        # what the (possibly earlier) run used, which is what its figures measure
+        entry["qat_settings"] = {k: rep[k] for k in ("epochs", "iters", "lr", "skip_layers")}
+        asked = {"epochs": qat_epochs, "iters": iters, "lr": lr, "skip_layers": list(skip_layers)}
+        if entry["qat_settings"] != asked:
+            print(f"benchmark_accuracy: note: {name}: reusing the QAT run in {rep['save_dir']} made with "
+                  f"{entry['qat_settings']}, not {asked}; delete that folder to run it again", flush=True)
         entry["qat"] = {k: rep["qat_best"][k] for k in ("ap", "ap50", "precision", "recall", "epoch")}
         entry["qat_epochs"] = rep["qat"]
         # inside the QAT run's folder: a result is only reused together with the model it measured

@@ -108,6 +108,7 @@ def test_benchmark_accuracy_trains_measures_and_resumes_on_cpu(demo_data, tmp_pa
     assert entry["ptq"]["mse"]["calib_s"] > 0
     table = (out / "accuracy.md").read_text()
     assert table.count("| gelan-t |") == 8 and result["table"] == table.strip()
-    again = run_cli("scripts/benchmark_accuracy.py", *args, timeout=600)
+    again = run_cli("scripts/benchmark_accuracy.py", *args, "--lr", "2e-5", timeout=600)
     assert again.returncode == 0 and "qat.py" not in again.stdout and "train.py" not in again.stdout, again.stdout[-2000:]
+    assert "reusing the QAT run" in again.stdout  # the figures stay labelled with the settings that made them
     assert json.loads((out / "accuracy.json").read_text())["models"] == result["models"]
