@@ -123,7 +123,7 @@ def derive_mapping(gelan: nn.Module, train: nn.Module) -> tuple[dict[int, int], 
     head = DUAL_HEADS[t_kind]
     if g_kind != head.single:
         raise MappingError(f"a {t_kind} training head converts to a {head.single} head, but the --cfg model has a "
-                           f"{g_kind} head" + (" (use models/segment/gelan-c-dseg.yaml)" if head.n_proto else ""))
+                           f"{g_kind} head (leave --cfg out to derive the GELAN model from the weights)")
     g_in = _inputs(gelan, len(gelan.model) - 1)
     main, aux = head.branches(_inputs(train, len(train.model) - 1))
     errors = []

@@ -76,6 +76,7 @@ def test_segmentation_weights_refuse_a_segment_head_cfg(tmp_path):
     r = run_cli("reparameterization.py", "--weights", weights, "--model", "c-seg", "--cfg", cfg, "--classes_num", 12,
                 "--save", tmp_path / "out.pt")
     assert r.returncode != 0 and "converts to a DSegment head" in r.stdout + r.stderr, r.stderr[-1500:]
+    assert "leave --cfg out" in r.stdout + r.stderr  # the way out, not upstream's non-matching gelan-c-dseg.yaml
     assert "Traceback" not in r.stderr and not (tmp_path / "out.pt").exists()
 
 
