@@ -26,7 +26,7 @@ from models.quantize import is_quantized  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import cli_main  # noqa: E402
 from utils.qat_utils import write_json  # noqa: E402
-from utils.qat_export import (PREFIX, add_efficient_nms, count_qdq, export_to_proto, load_for_export,  # noqa: E402
+from models.export import (PREFIX, add_efficient_nms, count_qdq, export_to_proto, load_for_export,  # noqa: E402
                               report_lint, save_onnx, simplify, verify_parity)
 from utils.torch_utils import select_device  # noqa: E402
 
@@ -58,10 +58,10 @@ def verification_images(data: str, imgsz: int, batch_size: int, n_batches: int) 
 
 
 def run(weights, include, imgsz, batch_size, dynamic, simplify_, inplace, opset, device, conf_thres, iou_thres,
-        topk_all, verify, data, verify_batches, exist_ok, json=None, **_) -> dict:
+        topk_all, verify, data, verify_batches, exist_ok, json=None, trust_checkpoint=False, **_) -> dict:
     weights = Path(weights)
     device = select_device(device)
-    model = load_for_export(weights, device, inplace)
+    model = load_for_export(weights, device, inplace, trust_checkpoint)
     quantized = is_quantized(model)
     im = torch.zeros(batch_size, 3, imgsz, imgsz, device=device)
     t0 = time.perf_counter()
@@ -113,6 +113,7 @@ def parse_opt(argv=None):
     p.add_argument("--data", type=str, default=str(ROOT / "data/coco.yaml"), help="dataset.yaml for --verify")
     p.add_argument("--verify-batches", type=int, default=2, help="batches of images for --verify")
     p.add_argument("--exist-ok", action="store_true", help="overwrite an existing .onnx")
+    p.add_argument("--trust-checkpoint", action="store_true", help="unpickle --weights fully (can run code)")
     p.add_argument("--json", type=str, default=None, help="also write the export summary to this JSON file")
     opt = p.parse_args(argv)
     if opt.opset < 13:

@@ -19,10 +19,11 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from models.quantize import is_quantized, read_checkpoint  # noqa: E402
+from models.checkpoint import read_checkpoint  # noqa: E402
+from models.quantize import is_quantized  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import atomic_write, cli_main  # noqa: E402
-from utils.qat_export import (PREFIX, class_names, count_qdq, export_to_proto, load_for_export,  # noqa: E402
+from models.export import (PREFIX, class_names, count_qdq, export_to_proto, load_for_export,  # noqa: E402
                               report_lint, save_onnx, simplify)
 
 
@@ -44,10 +45,10 @@ class DeepStreamHead(nn.Module):
         return torch.cat([xy - wh / 2, xy + wh / 2, score, cls.to(score.dtype)], -1)
 
 
-def run(weights, size, opset, simplify_, dynamic, batch, device, exist_ok, **_) -> dict:
+def run(weights, size, opset, simplify_, dynamic, batch, device, exist_ok, trust_checkpoint=False, **_) -> dict:
     weights = Path(weights)
-    quantized = is_quantized(read_checkpoint(weights)["model"])
-    model = _load_any_head(weights, device)
+    quantized = is_quantized(read_checkpoint(weights, trust_checkpoint)["model"])
+    model = _load_any_head(weights, device, trust_checkpoint)
     head = type(model.model[-1]).__name__
     h, w = (size * 2)[:2]
     im = torch.zeros(batch, 3, h, w, device=device)
@@ -65,14 +66,14 @@ def run(weights, size, opset, simplify_, dynamic, batch, device, exist_ok, **_) 
             "lint": lint.to_dict()}
 
 
-def _load_any_head(weights: Path, device):
+def _load_any_head(weights: Path, device, trust: bool):
     """Dual-head (training) checkpoints are exported as they are; DeepStream reads the main branch."""
     try:
-        return load_for_export(weights, device)
+        return load_for_export(weights, device, trust=trust)
     except ValueError as e:
         if "reparameterization.py" not in str(e):
             raise
-        ckpt = read_checkpoint(weights)
+        ckpt = read_checkpoint(weights, trust)
         model = (ckpt.get("ema") or ckpt["model"]).float().fuse().to(device).eval()
         return model
 
@@ -87,6 +88,7 @@ def parse_opt(argv=None):
     p.add_argument("--batch", type=int, default=1, help="static batch size")
     p.add_argument("--device", default="cpu", help="cpu or cuda device")
     p.add_argument("--exist-ok", action="store_true", help="overwrite an existing .onnx")
+    p.add_argument("--trust-checkpoint", action="store_true", help="unpickle --weights fully (can run code)")
     opt = p.parse_args(argv)
     if opt.dynamic and opt.batch > 1:
         p.error("--dynamic and --batch > 1 cannot be used together: pick a dynamic or a static batch")

@@ -17,6 +17,7 @@ for f in models/yolo.py models/common.py val.py train.py utils/general.py; do
   fi
 done
 
+DIR="$(cd "$DIR" && pwd)"  # absolute before the cd below: a relative DIR means relative to the caller
 MANIFEST="$DIR/.yolov9_qat_files"
 touch "$MANIFEST"
 cd "$HERE"

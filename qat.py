@@ -1,13 +1,15 @@
 """INT8 quantization of reparameterized YOLOv9 / GELAN detection models for TensorRT.
 
     python qat.py quantize  --weights yolov9-c-converted.pt --data data/coco.yaml   # PTQ + QAT
+    python qat.py quantize  --resume runs/qat/exp                                   # continue an interrupted run
     python qat.py eval      --weights runs/qat/exp/weights/qat_best_yolov9-c-converted.pt --data data/coco.yaml
     python qat.py sensitive --weights yolov9-c-converted.pt --data data/coco.yaml   # per-layer sensitivity
 """
 from __future__ import annotations
 
 import argparse
-import os
+import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -20,32 +22,51 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from models.checkpoint import load_float_model, load_quantized_model, read_checkpoint, save_checkpoint  # noqa: E402
+from models.finetune import (DISTILL_TARGETS, LR_SCHEDULES, RECIPES, QATObjective, QATRecipe,  # noqa: E402
+                             WeightEMA, finetune_epoch, optimizer_for)
 from models.quantize import (CALIB_METHODS, QuantRecipe, calibrate_model, copy_float, is_quantized,  # noqa: E402
-                             layer_quantizers, load_float_model, load_quantized_model, quantization_disabled,
-                             quantize_model, quantizer_counts, read_checkpoint, save_checkpoint, skip_patterns)
+                             layer_quantizers, learnable_amax_parameters, quantization_disabled, quantize_model,
+                             quantizer_counts, skip_patterns)
 from utils.general import LOGGER, colorstr, increment_path, init_seeds  # noqa: E402
-from utils.io_utils import cli_main  # noqa: E402
-from utils.qat_utils import (METRIC_KEYS, distill_epoch, evaluate, image_batches, load_data, load_hyp,  # noqa: E402
-                             lr_at, metrics_table, supervised_layers, train_loader, val_loader, write_json)
+from utils.io_utils import Interrupted, cli_main  # noqa: E402
+from utils.qat_utils import (METRIC_KEYS, evaluate, image_batches, load_data, load_hyp, metrics_table,  # noqa: E402
+                             train_batches, train_loader, val_loader, write_json)
 from utils.torch_utils import select_device  # noqa: E402
 
 PREFIX = colorstr("qat: ")
+STATE_FILE = "qat_state.pt"  # model, EMA and optimizer after the last completed QAT epoch (for --resume)
+RESUME_KEEPS = ("device", "workers", "trust_checkpoint")  # what a resumed run takes from the new command line
 
 
 # --------------------------------------------------------------------------------------------------
 # Shared steps
 # --------------------------------------------------------------------------------------------------
-def _setup(project, name, exist_ok, device, seed=None):
-    device = select_device(device)
-    if seed is not None:
-        init_seeds(seed, deterministic=False)
+def _new_run_dir(project, name, exist_ok) -> Path:
+    """Created only once the inputs were validated: a failed start leaves no empty folder behind."""
     save_dir = Path(increment_path(Path(project) / name, exist_ok=exist_ok))
-    (save_dir / "weights").mkdir(parents=True, exist_ok=True)
-    return device, save_dir
+    save_dir.mkdir(parents=True, exist_ok=True)
+    return save_dir
 
 
 def _stride(model) -> int:
     return max(int(model.stride.max()), 32)
+
+
+def _check_classes(model, data_dict: dict, weights, data) -> None:
+    model_nc, data_nc = int(model.model[-1].nc), int(data_dict["nc"])
+    if model_nc != data_nc:
+        raise ValueError(f"--weights {weights} predicts {model_nc} classes but --data {data} has nc={data_nc}: "
+                         "evaluate a model on the dataset it was trained for")
+
+
+def _check_skip_layers(model, skip_layers) -> None:
+    names = [n for n, _ in model.named_modules()]
+    unmatched = [item for item, pattern in zip(skip_layers, skip_patterns(skip_layers))
+                 if not any(re.search(pattern, n) for n in names)]
+    if unmatched:
+        raise ValueError(f"--skip-layers {' '.join(map(str, unmatched))}: matches no module of the model "
+                         f"(layers are 0-{len(model.model) - 1}, or regexes over names like 'model.22.cv2')")
 
 
 def _insert_quantizers(model, calib_method, percentile, skip_layers):
@@ -76,81 +97,172 @@ def _print_report(rows):
     return table
 
 
-# --------------------------------------------------------------------------------------------------
-# Sub-commands
-# --------------------------------------------------------------------------------------------------
-def run_quantize(weights, data, hyp, device, batch_size, imgsz, project, name, exist_ok, iters, epochs, seed,
-                 supervision_stride, no_eval_origin, no_eval_ptq, calib_method, calib_batches, percentile,
-                 skip_layers, lr, workers, num_image, conf_thres, iou_thres, **_):
-    device, save_dir = _setup(project, name, exist_ok, device, seed)
-    data_dict, hyp_dict = load_data(data), load_hyp(hyp)
-    model = load_float_model(weights, device)
-    stride = _stride(model)
-    val = val_loader(data_dict, imgsz, batch_size * 2, stride, workers, num_image)
-    stem = Path(weights).stem
-    report = {"weights": str(weights), "data": str(data), "imgsz": imgsz, "batch_size": batch_size,
-              "device": str(device), "calib_method": calib_method, "calib_batches": calib_batches,
-              "percentile": percentile if calib_method == "percentile" else None,
-              "skip_layers": list(skip_layers), "epochs": epochs, "iters": iters,
-              "supervision_stride": supervision_stride, "lr": lr, "save_dir": str(save_dir)}
+def qat_recipe(recipe: str, **overrides) -> QATRecipe:
+    """A preset with the fields given on the command line replaced."""
+    return RECIPES[recipe].with_overrides(**overrides)
 
-    report["origin"] = None if no_eval_origin else evaluate(model, val, data_dict, conf_thres, iou_thres,
-                                                            "origin (float)")
-    teacher = copy_float(model)
-    counts, insert_s = _insert_quantizers(model, calib_method, percentile, skip_layers)
-    report["quantizers"] = counts
-    times = _calibrate(model, data_dict, device, imgsz, batch_size, stride, hyp_dict, workers, calib_method,
-                       percentile, calib_batches)
-    report["timing"] = {"insert_quantizers_s": round(insert_s, 2), "calib_collect_s": round(times["collect_s"], 2),
-                        "calib_amax_s": round(times["compute_amax_s"], 2)}
-    report["ptq"] = None
-    if not no_eval_ptq:
-        report["ptq"] = evaluate(model, val, data_dict, conf_thres, iou_thres, "PTQ (int8 fake-quant)")
-    ptq_file = save_dir / "weights" / f"ptq_ap_{_ap_tag(report['ptq'])}_{stem}.pt"
-    report["ptq_file"] = str(save_checkpoint(model, ptq_file, stage="ptq", metrics=report["ptq"]))
 
-    report["qat"] = []
-    best = None
+# --------------------------------------------------------------------------------------------------
+# quantize: PTQ, then QAT; resumable
+# --------------------------------------------------------------------------------------------------
+def run_quantize(resume=None, **opt):
+    """`qat.py quantize`. With `resume`, the run folder's own settings are used (and device/workers anew)."""
+    if resume:
+        save_dir = Path(resume)
+        settings = _resume_settings(save_dir)
+        settings.update({k: opt[k] for k in RESUME_KEEPS if k in opt})
+        report = json.loads((save_dir / "report.json").read_text())
+        for leftover in save_dir.rglob(".*.tmp"):  # half-written files of the interrupted run
+            leftover.unlink()
+        LOGGER.info(f"{PREFIX}resuming {save_dir} after {len(report.get('qat', []))} completed QAT epoch(s)")
+        return _quantize(save_dir, report, **settings)
+    inputs = _validated_inputs(**opt)
+    save_dir = _new_run_dir(opt["project"], opt["name"], opt["exist_ok"])
+    report = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in opt.items()},
+              "weights": str(opt["weights"]), "data": str(opt["data"]), "save_dir": str(save_dir)}
+    return _quantize(save_dir, report, inputs=inputs, **opt)
+
+
+def _resume_settings(save_dir: Path) -> dict:
+    report_file = save_dir / "report.json"
+    if not report_file.is_file():
+        raise FileNotFoundError(f"--resume {save_dir}: no report.json there; is it a `qat.py quantize` run folder?")
+    report = json.loads(report_file.read_text())
+    if "settings" not in report:
+        raise ValueError(f"--resume {save_dir}: its report.json was written by an older version (no settings)")
+    if report.get("finished"):
+        raise ValueError(f"--resume {save_dir}: this run finished all its epochs; nothing to resume")
+    return dict(report["settings"])
+
+
+def _validated_inputs(weights, data, hyp, device, batch_size, imgsz, workers, num_image, skip_layers,
+                      trust_checkpoint, epochs, iters, **_) -> dict:
+    """Everything checked before a run folder exists: files, class counts, labels, layer patterns."""
+    device = select_device(device)
+    data_dict = load_data(data)
+    hyp_dict = load_hyp(hyp)
+    model = load_float_model(weights, device, trust_checkpoint)
+    _check_classes(model, data_dict, weights, data)
+    _check_skip_layers(model, skip_layers)
+    val = val_loader(data_dict, imgsz, batch_size * 2, _stride(model), workers, num_image, data)
     if epochs > 0 and iters > 0:
-        layers = supervised_layers(len(model.model), supervision_stride)
-        loader = train_loader(data_dict, imgsz, batch_size, stride, hyp_dict, workers, augment=True)
-        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-        scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" else None
-        for epoch in range(epochs):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(epoch, epochs, lr)
-            t0 = time.perf_counter()
-            loss = distill_epoch(model, teacher, image_batches(loader, device, iters), layers, optimizer, scaler,
-                                 f"{PREFIX}epoch {epoch + 1}/{epochs}", iters)
-            train_s = time.perf_counter() - t0
-            metrics = evaluate(model, val, data_dict, conf_thres, iou_thres, f"QAT epoch {epoch + 1}")
-            f = save_dir / "weights" / f"qat_ep_{epoch + 1}_ap_{_ap_tag(metrics)}_{stem}.pt"
-            save_checkpoint(model, f, stage="qat", epoch=epoch + 1, metrics=metrics)
-            entry = {"epoch": epoch + 1, "loss": round(loss, 6), "lr": optimizer.param_groups[0]["lr"],
-                     "train_s": round(train_s, 2), **metrics, "file": str(f)}
-            report["qat"].append(entry)
-            if best is None or metrics["ap"] > best["ap"]:
-                best = entry
-                save_checkpoint(model, save_dir / "weights" / f"qat_best_{stem}.pt", stage="qat", epoch=epoch + 1,
-                                metrics=metrics)
-            write_json(save_dir / "report.json", report)
-    report["qat_best"] = best
-    if best is not None:
-        report["qat_best_file"] = str(save_dir / "weights" / f"qat_best_{stem}.pt")
-    rows = [("Origin (PyTorch)", report["origin"]), ("PTQ (PyTorch INT8)", report["ptq"]),
-            ("QAT best (PyTorch INT8)", _metrics_only(best))]
+        train_loader(data_dict, imgsz, batch_size, _stride(model), hyp_dict, workers, augment=False)  # readable
+    return {"device": device, "data_dict": data_dict, "hyp_dict": hyp_dict, "model": model, "val": val}
+
+
+def _quantize(save_dir: Path, report: dict, weights, data, hyp, device, batch_size, imgsz, iters, epochs, seed,
+              no_eval_origin, no_eval_ptq, calib_method, calib_batches, percentile, skip_layers, workers, num_image,
+              conf_thres, iou_thres, trust_checkpoint, recipe, inputs=None, **overrides):
+    inputs = inputs or _validated_inputs(weights, data, hyp, device, batch_size, imgsz, workers, num_image,
+                                         skip_layers, trust_checkpoint, epochs, iters)
+    device, data_dict, hyp_dict, model, val = (inputs[k] for k in ("device", "data_dict", "hyp_dict", "model", "val"))
+    qat = qat_recipe(recipe, **{k: overrides.get(k) for k in QATRecipe.__dataclass_fields__})
+    report.update({"qat_recipe": qat.to_dict(), "calib_method": calib_method, "epochs": epochs, "iters": iters})
+    stem = Path(weights).stem
+    try:
+        teacher = copy_float(model)
+        if report.get("ptq_file") and Path(report["ptq_file"]).is_file():  # resumed after PTQ
+            model = load_quantized_model(report["ptq_file"], device)
+        else:
+            _ptq_stage(model, report, save_dir, stem, data_dict, hyp_dict, device, imgsz, batch_size, workers, val,
+                       calib_method, calib_batches, percentile, skip_layers, no_eval_origin, no_eval_ptq, conf_thres,
+                       iou_thres)
+        if epochs > 0 and iters > 0:
+            _qat_stage(model, teacher, qat, report, save_dir, stem, data_dict, hyp_dict, device, imgsz, batch_size,
+                       workers, val, epochs, iters, seed, conf_thres, iou_thres)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; resume with: python qat.py quantize --resume {save_dir}") from None
+    best = report.get("qat_best")
+    rows = [("Origin (PyTorch)", report.get("origin")), ("PTQ (PyTorch INT8)", report.get("ptq")),
+            ("QAT best (PyTorch INT8)", None if best is None else {k: best[k] for k in METRIC_KEYS})]
     report["table"] = _print_report(rows)
+    report["finished"] = True
+    (save_dir / "weights" / STATE_FILE).unlink(missing_ok=True)  # only needed to resume an unfinished run
     write_json(save_dir / "report.json", report)
     LOGGER.info(f"{PREFIX}results saved to {colorstr('bold', save_dir)}")
     return report
 
 
+def _ptq_stage(model, report, save_dir, stem, data_dict, hyp_dict, device, imgsz, batch_size, workers, val,
+               calib_method, calib_batches, percentile, skip_layers, no_eval_origin, no_eval_ptq, conf_thres,
+               iou_thres):
+    report["origin"] = None if no_eval_origin else evaluate(model, val, data_dict, conf_thres, iou_thres,
+                                                            "origin (float)")
+    write_json(save_dir / "report.json", report)
+    counts, insert_s = _insert_quantizers(model, calib_method, percentile, skip_layers)
+    report["quantizers"] = counts
+    times = _calibrate(model, data_dict, device, imgsz, batch_size, _stride(model), hyp_dict, workers, calib_method,
+                       percentile, calib_batches)
+    report["timing"] = {"insert_quantizers_s": round(insert_s, 2), "calib_collect_s": round(times["collect_s"], 2),
+                        "calib_amax_s": round(times["compute_amax_s"], 2)}
+    report["ptq"] = None if no_eval_ptq else evaluate(model, val, data_dict, conf_thres, iou_thres,
+                                                      "PTQ (int8 fake-quant)")
+    ptq_file = save_dir / "weights" / f"ptq_ap_{_ap_tag(report['ptq'])}_{stem}.pt"
+    report["ptq_file"] = str(save_checkpoint(model, ptq_file, stage="ptq", metrics=report["ptq"]))
+    report["qat"] = []
+    write_json(save_dir / "report.json", report)
+
+
+def _qat_stage(model, teacher, recipe: QATRecipe, report, save_dir, stem, data_dict, hyp_dict, device, imgsz,
+               batch_size, workers, val, epochs, iters, seed, conf_thres, iou_thres):
+    """QAT epochs; after each: evaluation, checkpoints, report.json and the state `--resume` continues from."""
+    state_file = save_dir / "weights" / STATE_FILE
+    state = read_checkpoint(state_file, flag="--resume") if state_file.is_file() else None
+    if state is not None:
+        model = state["model"].to(device)
+    if recipe.learn_amax:
+        learnable_amax_parameters(model)
+    optimizer = optimizer_for(model, recipe)
+    scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" else None
+    ema = WeightEMA(model, recipe.ema) if recipe.ema else None
+    start, step = 0, 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        if ema is not None:
+            ema.model, ema.updates = state["ema"].to(device), state["ema_updates"]
+        start, step = state["epoch"], state["step"]
+        report["qat"] = report.get("qat", [])[:start]
+    loader = train_loader(data_dict, imgsz, batch_size, _stride(model), hyp_dict, workers, augment=True)
+    with QATObjective(recipe, model, teacher, hyp_dict) as objective:
+        for epoch in range(start, epochs):
+            t0 = time.perf_counter()
+            batches = train_batches(loader, device, iters, seed=seed + 1 + epoch)
+            losses, step = finetune_epoch(objective, batches, optimizer, scaler, ema, step, epochs * iters, epochs,
+                                          iters, f"{PREFIX}epoch {epoch + 1}/{epochs}")
+            train_s = time.perf_counter() - t0
+            trained = ema.model if ema is not None else model
+            metrics = evaluate(trained, val, data_dict, conf_thres, iou_thres, f"QAT epoch {epoch + 1}")
+            f = save_dir / "weights" / f"qat_ep_{epoch + 1}_ap_{_ap_tag(metrics)}_{stem}.pt"
+            save_checkpoint(trained, f, stage="qat", epoch=epoch + 1, metrics=metrics)
+            entry = {"epoch": epoch + 1, **{k: round(v, 6) for k, v in losses.items()},
+                     "lr_end": optimizer.param_groups[0]["lr"], "train_s": round(train_s, 2), **metrics,
+                     "file": str(f)}
+            report["qat"].append(entry)
+            best = report.get("qat_best")
+            if best is None or metrics["ap"] > best["ap"]:
+                report["qat_best"] = entry
+                report["qat_best_file"] = str(save_checkpoint(trained, save_dir / "weights" / f"qat_best_{stem}.pt",
+                                                              stage="qat", epoch=epoch + 1, metrics=metrics))
+            # report first: a kill between the two repeats this epoch (the same, it is seeded) rather than lose it
+            write_json(save_dir / "report.json", report)
+            save_checkpoint(model, state_file, epoch=epoch + 1, step=step, optimizer=optimizer.state_dict(),
+                            scaler=None if scaler is None else scaler.state_dict(),
+                            **({} if ema is None else {"ema": ema.model, "ema_updates": ema.updates}))
+
+
+# --------------------------------------------------------------------------------------------------
+# eval and sensitive
+# --------------------------------------------------------------------------------------------------
 def run_eval(weights, data, device, batch_size, imgsz, project, name, exist_ok, workers, num_image, conf_thres,
-             iou_thres, **_):
-    device, save_dir = _setup(project, name, exist_ok, device)
+             iou_thres, trust_checkpoint, **_):
+    device = select_device(device)
     data_dict = load_data(data)
-    model = load_quantized_model(weights, device)
-    val = val_loader(data_dict, imgsz, batch_size, _stride(model), workers, num_image)
+    model = load_quantized_model(weights, device, trust_checkpoint)
+    _check_classes(model, data_dict, weights, data)
+    val = val_loader(data_dict, imgsz, batch_size, _stride(model), workers, num_image, data)
+    save_dir = _new_run_dir(project, name, exist_ok)
     t0 = time.perf_counter()
     metrics = evaluate(model, val, data_dict, conf_thres, iou_thres, f"{weights}")
     result = {"weights": str(weights), "data": str(data), "imgsz": imgsz, **metrics,
@@ -161,16 +273,18 @@ def run_eval(weights, data, device, batch_size, imgsz, project, name, exist_ok, 
 
 
 def run_sensitive(weights, data, hyp, device, batch_size, imgsz, project, name, exist_ok, calib_method,
-                  calib_batches, percentile, workers, num_image, conf_thres, iou_thres, seed, **_):
-    device, save_dir = _setup(project, name, exist_ok, device, seed)
+                  calib_batches, percentile, workers, num_image, conf_thres, iou_thres, seed, trust_checkpoint, **_):
+    device = select_device(device)
+    init_seeds(seed, deterministic=False)
     data_dict, hyp_dict = load_data(data), load_hyp(hyp)
-    ckpt = read_checkpoint(weights)
-    if is_quantized(ckpt["model"]):
+    if is_quantized(read_checkpoint(weights, trust_checkpoint)["model"]):
         raise ValueError(f"--weights {weights}: sensitivity analysis starts from the float (converted) model, "
                          "not a quantized one")
-    model = load_float_model(weights, device)
+    model = load_float_model(weights, device, trust_checkpoint)
+    _check_classes(model, data_dict, weights, data)
     stride = _stride(model)
-    val = val_loader(data_dict, imgsz, batch_size, stride, workers, num_image)
+    val = val_loader(data_dict, imgsz, batch_size, stride, workers, num_image, data)
+    save_dir = _new_run_dir(project, name, exist_ok)
     _insert_quantizers(model, calib_method, percentile, [])
     _calibrate(model, data_dict, device, imgsz, batch_size, stride, hyp_dict, workers, calib_method, percentile,
                calib_batches)
@@ -204,6 +318,7 @@ def _bar_chart(layers, baseline, path: Path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from utils.io_utils import atomic_write
     order = sorted(layers, key=lambda d: d["layer"])
     fig, ax = plt.subplots(figsize=(max(6, len(order) * 0.35), 4))
     ax.bar([str(d["layer"]) for d in order], [d["ap_gain"] for d in order], color="tab:blue")
@@ -212,25 +327,19 @@ def _bar_chart(layers, baseline, path: Path):
     ax.set_ylabel("AP gain over full INT8 PTQ")
     ax.set_title(f"Quantization sensitivity (PTQ AP {baseline['ap']:.4f})")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def _ap_tag(metrics) -> str:
     return "na" if metrics is None else f"{metrics['ap']:.4f}"
 
 
-def _metrics_only(entry):
-    return None if entry is None else {k: entry[k] for k in METRIC_KEYS}
-
-
 # --------------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------------
-def _common(p, project):
-    p.add_argument("--weights", type=str, required=True, help="model.pt path")
+def _common(p, project, weights_required=True):
+    p.add_argument("--weights", type=str, required=weights_required, help="model.pt path")
     p.add_argument("--data", type=str, default=str(ROOT / "data/coco.yaml"), help="dataset.yaml path")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
                    help="cuda device, i.e. cuda:0 or cpu")
@@ -244,6 +353,8 @@ def _common(p, project):
     p.add_argument("--conf-thres", type=float, default=0.001, help="confidence threshold")
     p.add_argument("--iou-thres", type=float, default=0.7, help="NMS IoU threshold")
     p.add_argument("--seed", type=int, default=57, help="global training seed")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="unpickle --weights fully if it holds objects outside the YOLO allow-list (can run code)")
 
 
 def _calibration(p):
@@ -254,20 +365,37 @@ def _calibration(p):
     p.add_argument("--percentile", type=float, default=99.999, help="percentile for --calib-method percentile")
 
 
+def _qat_flags(q):
+    q.add_argument("--iters", type=int, default=200, help="QAT iterations per epoch")
+    q.add_argument("--epochs", type=int, default=10, help="QAT epochs (0: PTQ only)")
+    q.add_argument("--recipe", choices=sorted(RECIPES), default="default",
+                   help="QAT preset: default (measured best, docs/RESULTS.md) or reference (per-layer MSE, Adam 1e-5); "
+                        "the flags below override single fields")
+    q.add_argument("--distill", choices=DISTILL_TARGETS, default=None,
+                   help="distillation target: head outputs, every layer's output (MSE), or none")
+    q.add_argument("--supervision-stride", type=int, default=None, help="--distill layers: every N-th layer")
+    q.add_argument("--det-loss", type=float, default=None, help="weight of the detection loss on labels (0: off)")
+    q.add_argument("--lr", type=float, default=None, help="peak QAT learning rate (Adam)")
+    q.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=None,
+                   help="cosine (warm-up + cosine decay per iteration) or step (the reference's)")
+    q.add_argument("--learn-amax", action=argparse.BooleanOptionalAction, default=None,
+                   help="train the activation ranges (amax) too")
+    q.add_argument("--ema", type=float, default=None, help="weight EMA decay (0: off)")
+    q.add_argument("--skip-layers", nargs="*", default=[], help="layer indices or module-name regexes kept in float")
+    q.add_argument("--no-eval-origin", action="store_true", help="do not evaluate the float model")
+    q.add_argument("--no-eval-ptq", action="store_true", help="do not evaluate the PTQ model")
+    q.add_argument("--resume", type=str, default=None, metavar="RUN_DIR",
+                   help="continue an interrupted run from its last completed stage (its own settings are used)")
+
+
 def parse_opt(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     q = sub.add_parser("quantize", help="insert quantizers, calibrate (PTQ), fine-tune (QAT), save the best")
-    _common(q, "runs/qat")
+    _common(q, "runs/qat", weights_required=False)
     _calibration(q)
-    q.add_argument("--iters", type=int, default=200, help="QAT iterations per epoch")
-    q.add_argument("--epochs", type=int, default=10, help="QAT epochs (0: PTQ only)")
-    q.add_argument("--lr", type=float, default=1e-5, help="peak QAT learning rate (Adam)")
-    q.add_argument("--supervision-stride", type=int, default=1, help="supervise every N-th layer's output")
-    q.add_argument("--skip-layers", nargs="*", default=[], help="layer indices or module-name regexes kept in float")
-    q.add_argument("--no-eval-origin", action="store_true", help="do not evaluate the float model")
-    q.add_argument("--no-eval-ptq", action="store_true", help="do not evaluate the PTQ model")
+    _qat_flags(q)
 
     s = sub.add_parser("sensitive", help="per-layer quantization sensitivity of a float model")
     _common(s, "runs/qat_sensitive")
@@ -281,22 +409,26 @@ def parse_opt(argv=None):
 
 
 def _check(parser, opt):
+    if opt.cmd == "quantize" and not (opt.weights or opt.resume):
+        parser.error("--weights is required (or --resume RUN_DIR)")
     if opt.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {opt.batch_size}")
     if opt.imgsz < 32 or opt.imgsz % 32:
         parser.error(f"--imgsz must be a multiple of 32 (>= 32), got {opt.imgsz}")
     if getattr(opt, "calib_batches", 1) < 1:
         parser.error(f"--calib-batches must be >= 1, got {opt.calib_batches}")
-    if getattr(opt, "supervision_stride", 1) < 1:
-        parser.error(f"--supervision-stride must be >= 1, got {opt.supervision_stride}")
     if opt.num_image is not None and opt.num_image < 1:
         parser.error(f"--num-image must be >= 1, got {opt.num_image}")
     if not 0 <= getattr(opt, "percentile", 50) <= 100:
         parser.error(f"--percentile must be in [0, 100], got {opt.percentile}")
-    try:
-        skip_patterns(getattr(opt, "skip_layers", []))
-    except ValueError as e:
-        parser.error(str(e))
+    if opt.cmd == "quantize":
+        if opt.epochs < 0 or opt.iters < 0:
+            parser.error("--epochs and --iters must be >= 0")
+        try:
+            skip_patterns(opt.skip_layers)
+            qat_recipe(opt.recipe, **{k: getattr(opt, k) for k in QATRecipe.__dataclass_fields__})
+        except ValueError as e:
+            parser.error(str(e))
 
 
 def run(cmd: str, **kwargs):

@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from models.quantize import read_checkpoint  # noqa: E402
+from models.checkpoint import read_checkpoint  # noqa: E402
 from models.yolo import Model, SegmentationModel  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import atomic_write, cli_main  # noqa: E402
@@ -207,13 +207,13 @@ def convert(train: nn.Module, gelan: nn.Module) -> tuple[nn.Module, dict]:
     return gelan, summary
 
 
-def run(cfg, weights, model, device, classes_num, save, exist_ok=False, **_) -> dict:
+def run(cfg, weights, model, device, classes_num, save, exist_ok=False, trust_checkpoint=False, **_) -> dict:
     save = Path(save)
     if save.exists() and not exist_ok:
         raise FileExistsError(f"--save {save} exists; pass --exist-ok to overwrite it")
     if cfg is not None and not Path(cfg).is_file():
         raise FileNotFoundError(f"--cfg {cfg}: file not found")
-    ckpt = read_checkpoint(weights)
+    ckpt = read_checkpoint(weights, trust_checkpoint)
     train = (ckpt.get("ema") or ckpt["model"]).float().to(device).eval()
     nc = int(train.model[-1].nc)
     if nc != classes_num:
@@ -246,6 +246,7 @@ def parse_opt(argv=None):
     p.add_argument("--classes_num", "--classes-num", type=int, default=80, help="number of classes")
     p.add_argument("--save", type=str, default=None, help="output path (default: ./yolov9-<model>-converted.pt)")
     p.add_argument("--exist-ok", action="store_true", help="overwrite --save if it exists")
+    p.add_argument("--trust-checkpoint", action="store_true", help="unpickle --weights fully (can run code)")
     opt = p.parse_args(argv)
     opt.save = opt.save or f"./yolov9-{opt.model}-converted.pt"
     if opt.model in DERIVED_CFG:

@@ -33,7 +33,7 @@ from utils.metrics import ap_per_class  # noqa: E402
 from utils.qat_utils import load_data, metrics_table, write_json  # noqa: E402
 
 PREFIX = colorstr("val_trt: ")
-BACKENDS = ("tensorrt", "onnxruntime")
+BACKENDS = ("tensorrt", "onnxruntime", "pytorch")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -41,7 +41,7 @@ BACKENDS = ("tensorrt", "onnxruntime")
 # --------------------------------------------------------------------------------------------------
 class OnnxRuntimeRunner:
     def __init__(self, path: str | Path):
-        from utils.qat_export import ort_session
+        from models.export import ort_session
         if "EfficientNMS_TRT" in _onnx_ops(path):
             raise ValueError(f"{path}: has an EfficientNMS_TRT node, which only TensorRT runs; "
                              "evaluate the plain export (--include onnx) with ONNX Runtime")
@@ -50,6 +50,7 @@ class OnnxRuntimeRunner:
         self.input_name = inp.name
         self.input_shape = [d if isinstance(d, int) else None for d in inp.shape]
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.output_shapes = {o.name: list(o.shape) for o in self.session.get_outputs()}
 
     def __call__(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         outs = self.session.run(None, {self.input_name: images.cpu().numpy().astype(np.float32)})
@@ -80,6 +81,8 @@ class TensorRTRunner:
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.output_names = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+        self.output_shapes = {n: [d if d >= 0 else None for d in self.engine.get_tensor_shape(n)]
+                              for n in self.output_names}
         self.input_name = self.inputs[0]
         shape = list(self.engine.get_tensor_shape(self.input_name))
         self.input_shape = [None if d < 0 else d for d in shape]
@@ -109,23 +112,64 @@ class TensorRTRunner:
         return {k: v.float().cpu() if v.is_floating_point() else v.cpu() for k, v in outputs.items()}
 
 
-def make_runner(backend: str, engine_file: str | None, onnx_file: str | None, device: str):
+class PyTorchRunner:
+    """The .pt model itself through the same loop (same letterbox, same NMS): the reference the deployed
+    runtimes are compared with, image for image."""
+
+    def __init__(self, path: str | Path, device: str, trust: bool = False):
+        from models.export import load_for_export
+        from utils.onnx_utils import detect_export_mode
+        self.device = torch.device(device)
+        self.model = load_for_export(path, self.device, trust=trust)
+        self._export_mode = detect_export_mode
+        self.input_shape = [None, 3, None, None]
+        self.output_names = ["output0"]
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        with self._export_mode(self.model):
+            return {"output0": self.model(images.to(self.device)).float().cpu()}
+
+
+def make_runner(backend: str, engine_file: str | None, onnx_file: str | None, weights: str | None, device: str,
+                trust: bool = False):
+    path, flag = {"tensorrt": (engine_file, "--engine-file"), "onnxruntime": (onnx_file, "--onnx-file"),
+                  "pytorch": (weights, "--weights")}[backend]
+    if not path:
+        raise ValueError(f"--backend {backend} needs {flag}")
+    if not Path(path).is_file():  # before any import: a typo is named as a typo
+        raise FileNotFoundError(f"{flag} {path}: file not found")
     if backend == "tensorrt":
-        if not engine_file:
-            raise ValueError("--backend tensorrt needs --engine-file (build one with scripts/generate_trt_engine.sh)")
         try:
             import tensorrt  # noqa: F401
         except ImportError:
             raise ValueError("TensorRT is not installed here (./install_dependencies.sh --tensorrt says why); "
-                             "evaluate the ONNX with --backend onnxruntime --onnx-file instead")
-        if not Path(engine_file).is_file():
-            raise FileNotFoundError(f"--engine-file {engine_file}: file not found")
-        return TensorRTRunner(engine_file, device if device.startswith("cuda") else "cuda:0")
-    if not onnx_file:
-        raise ValueError("--backend onnxruntime needs --onnx-file")
-    if not Path(onnx_file).is_file():
-        raise FileNotFoundError(f"--onnx-file {onnx_file}: file not found")
-    return OnnxRuntimeRunner(onnx_file)
+                             "evaluate the ONNX with --backend onnxruntime --onnx-file instead") from None
+        return TensorRTRunner(path, f"cuda:{device}" if device.isdigit() else
+                              device if device.startswith("cuda") else "cuda:0")
+    if backend == "pytorch":
+        cuda = f"cuda:{device}" if device.isdigit() else device
+        return PyTorchRunner(path, cuda if cuda.startswith("cuda") and torch.cuda.is_available() else "cpu", trust)
+    return OnnxRuntimeRunner(path)
+
+
+def check_outputs(runner, nc: int, model: str) -> None:
+    """Refuse models whose outputs are not what this loop evaluates: EfficientNMS_TRT's four tensors, or
+    one [batch, 4 + nc, anchors] prediction tensor (e.g. export_yoloV9.py's DeepStream [batch, anchors, 6])."""
+    names = list(runner.output_names)
+    if "num_dets" in names:
+        return
+    shape = getattr(runner, "output_shapes", {}).get(names[0])
+    if shape is None or len(shape) != 3:
+        if shape is not None:
+            raise ValueError(f"{model}: output {names[0]} has shape {shape}; expected [batch, 4 + {nc}, anchors]")
+        return
+    channels = shape[1]
+    if isinstance(channels, int) and channels != 4 + nc:
+        hint = (" (DeepStream's [batch, anchors, 6] layout: evaluate export_qat.py's ONNX instead)"
+                if shape[2] == 6 else "")
+        raise ValueError(f"{model}: output {names[0]} has shape {shape}, expected [batch, {4 + nc} (4 + nc), anchors] "
+                         f"for the --data's {nc} classes{hint}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -221,10 +265,12 @@ def coco_eval(jdict: list, data_dict: dict) -> dict | None:
     return {"coco_ap": round(float(ev.stats[0]), 5), "coco_ap50": round(float(ev.stats[1]), 5)}
 
 
-def run(engine_file, onnx_file, data, imgsz, batch_size, conf_thres, iou_thres, backend, no_nms, device, workers,
-        project, name, exist_ok, **_) -> dict:
+def run(engine_file, onnx_file, weights, data, imgsz, batch_size, conf_thres, iou_thres, backend, no_nms, device,
+        workers, project, name, exist_ok, trust_checkpoint=False, **_) -> dict:
     data_dict = load_data(data)
-    runner = make_runner(backend, engine_file, onnx_file, device)
+    runner = make_runner(backend, engine_file, onnx_file, weights, device, trust_checkpoint)
+    model_file = engine_file or onnx_file or weights
+    check_outputs(runner, int(data_dict["nc"]), model_file)
     fixed = runner.input_shape
     if fixed[2] is not None and (fixed[2], fixed[3]) != (imgsz, imgsz):
         raise ValueError(f"the model's input is {fixed[2]}x{fixed[3]} but --imgsz is {imgsz}")
@@ -237,12 +283,13 @@ def run(engine_file, onnx_file, data, imgsz, batch_size, conf_thres, iou_thres, 
     loader, _ = create_dataloader(data_dict["val"], imgsz, batch_size, 32, pad=0.5, rect=False, workers=workers,
                                   prefix=colorstr("val: "))
     metrics, jdict = evaluate_runner(runner, loader, int(data_dict["nc"]), conf_thres, iou_thres, no_nms, fixed_batch)
-    result = {"backend": backend, "model": str(engine_file or onnx_file), "data": str(data), "imgsz": imgsz,
+    result = {"backend": backend, "model": str(model_file), "data": str(data), "imgsz": imgsz,
               "batch_size": batch_size, **metrics}
     coco = coco_eval(jdict, data_dict)
     if coco:
         result.update(coco)
-    result["table"] = metrics_table([(f"INT8 ({backend})" if backend == "tensorrt" else "ONNX Runtime", metrics)])
+    label = {"tensorrt": "TensorRT", "onnxruntime": "ONNX Runtime", "pytorch": "PyTorch (same letterbox)"}[backend]
+    result["table"] = metrics_table([(label, metrics)])
     LOGGER.info("\n" + result["table"] + f"\n{metrics['ms_per_image']} ms/image ({backend}, batch {batch_size})")
     save_dir = Path(increment_path(Path(project) / name, exist_ok=exist_ok))
     save_dir.mkdir(parents=True, exist_ok=True)
@@ -255,13 +302,15 @@ def parse_opt(argv=None):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--engine-file", type=str, help="TensorRT engine")
     src.add_argument("--onnx-file", type=str, help="ONNX model (ONNX Runtime)")
+    src.add_argument("--weights", type=str, help="a .pt model (PyTorch): the reference for the deployed runtimes")
     p.add_argument("--data", type=str, default=str(ROOT / "data/coco.yaml"), help="dataset.yaml path")
     p.add_argument("--imgsz", "--img", "--img-size", type=int, default=640, help="inference size (pixels)")
     p.add_argument("--batch-size", type=int, default=1, help="batch size")
     p.add_argument("--conf-thres", type=float, default=0.001, help="confidence threshold")
     p.add_argument("--iou-thres", type=float, default=0.7, help="NMS IoU threshold")
     p.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="tensorrt (default with --engine-file) or onnxruntime (default with --onnx-file)")
+                   help="tensorrt (with --engine-file), onnxruntime (with --onnx-file) or pytorch (with --weights)")
+    p.add_argument("--trust-checkpoint", action="store_true", help="unpickle --weights fully (can run code)")
     p.add_argument("--no-nms", action="store_true", help="NMS-free model: no NMS on its outputs")
     p.add_argument("--device", default="cuda:0", help="CUDA device for TensorRT")
     p.add_argument("--workers", type=int, default=8, help="dataloader workers")
@@ -269,9 +318,11 @@ def parse_opt(argv=None):
     p.add_argument("--name", default="exp", help="save to project/name")
     p.add_argument("--exist-ok", action="store_true", help="existing project/name ok, do not increment")
     opt = p.parse_args(argv)
-    opt.backend = opt.backend or ("tensorrt" if opt.engine_file else "onnxruntime")
-    if opt.backend == "onnxruntime" and opt.engine_file:
-        p.error("--backend onnxruntime runs an ONNX file: pass --onnx-file")
+    given = "tensorrt" if opt.engine_file else "onnxruntime" if opt.onnx_file else "pytorch"
+    opt.backend = opt.backend or given
+    if opt.backend != given:
+        p.error(f"--backend {opt.backend} does not run the file given: use --engine-file (tensorrt), "
+                "--onnx-file (onnxruntime) or --weights (pytorch)")
     if opt.batch_size < 1 or opt.imgsz % 32:
         p.error("--batch-size must be >= 1 and --imgsz a multiple of 32")
     return opt

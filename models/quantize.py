@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import re
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple
 
 import torch
@@ -31,7 +31,6 @@ from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 from pytorch_quantization.tensor_quant import QuantDescriptor
 
 from models.calibrate import AMAX_METHODS, HistogramCollector
-from utils.io_utils import atomic_write
 from models.common import AConv, ADown, Concat, RepNBottleneck
 
 CALIB_METHODS = ("max",) + AMAX_METHODS
@@ -132,6 +131,18 @@ def fake_quant_with(x: torch.Tensor, params: QuantParams) -> torch.Tensor:
     return out.to(dtype) if cast else out
 
 
+def fake_quant_learnable(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
+    """Per-tensor fake quantization with a gradient for amax (LSQ: the step size learns from the rounding and
+    clipping errors it causes, scaled by 1/sqrt(numel * bound) as in the LSQ paper). The forward values equal
+    `fake_quant` with the same amax."""
+    bound = 2 ** (num_bits - 1) - 1
+    scale = (amax.float().clamp_min(_MIN_AMAX) / bound).reshape(1)
+    zero_point = torch.zeros(1, device=x.device)
+    grad_factor = 1.0 / math.sqrt(x.numel() * bound)
+    out = torch._fake_quantize_learnable_per_tensor_affine(x.float(), scale, zero_point, -bound - 1, bound, grad_factor)
+    return out.to(x.dtype)
+
+
 def fake_quant(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
     """Symmetric fake quantization, per tensor (amax.numel()==1) or per channel along dim 0."""
     return fake_quant_with(x, quant_params(amax, num_bits))
@@ -153,6 +164,8 @@ class Int8Quantizer(TensorQuantizer):
         amax = getattr(self, "_amax", None)
         if amax is None or self._scale_amax is not None:  # dynamic range: recomputed every call
             return fake_quant(inputs, self._get_amax(inputs), self._num_bits)
+        if amax.requires_grad and torch.is_grad_enabled() and not torch.onnx.is_in_onnx_export():
+            return fake_quant_learnable(inputs, amax, self._num_bits)
         # amax changes by replacement (calibration, loading, moving: another tensor) or in place (a new version)
         cached, version, params = getattr(self, "_params_cache", (None, None, None))
         if cached is not amax or version != amax._version:
@@ -167,7 +180,10 @@ class Int8Quantizer(TensorQuantizer):
 
     def set_amax(self, amax: torch.Tensor) -> None:
         amax = amax.detach().float()
-        if hasattr(self, "_amax"):
+        if isinstance(getattr(self, "_amax", None), nn.Parameter):  # learned amax: keep the parameter object
+            with torch.no_grad():
+                self._amax.copy_(amax.reshape(self._amax.shape))
+        elif hasattr(self, "_amax"):
             self._amax = amax.to(self._amax.device).reshape(self._amax.shape) \
                 if amax.numel() == self._amax.numel() else amax.to(self._amax.device)
         else:
@@ -175,6 +191,20 @@ class Int8Quantizer(TensorQuantizer):
 
     def clear_amax(self) -> None:
         self._buffers.pop("_amax", None)
+        self._parameters.pop("_amax", None)
+
+    def make_amax_learnable(self) -> nn.Parameter:
+        """Turn the calibrated amax into a trained parameter (same value); idempotent."""
+        if not isinstance(self._amax, nn.Parameter):
+            value = self._buffers.pop("_amax")
+            self.register_parameter("_amax", nn.Parameter(value.clone()))
+        return self._amax
+
+    def freeze_amax(self) -> None:
+        """A learned amax back to a plain buffer (what checkpoints and exports hold)."""
+        if isinstance(getattr(self, "_amax", None), nn.Parameter):
+            value = self._parameters.pop("_amax").detach().clone()
+            self.register_buffer("_amax", value)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # pytorch-quantization creates a missing `_amax` with `.cuda()`; create it where the value is.
@@ -332,6 +362,19 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe = QuantRecipe(), share:
     return model
 
 
+def learnable_amax_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Make every calibrated activation amax a trained parameter; returns them (one per shared quantizer)."""
+    return [q.make_amax_learnable() for _, q in named_quantizers(model, activations_only=True)
+            if not q._disabled and q.amax is not None]
+
+
+def freeze_amax(model: nn.Module) -> nn.Module:
+    """Learned amax back to buffers, in place."""
+    for _, q in named_quantizers(model):
+        q.freeze_amax()
+    return model
+
+
 def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, TensorQuantizer) for m in model.modules())
 
@@ -435,56 +478,8 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 # --------------------------------------------------------------------------------------------------
-# Checkpoints
+# Teacher
 # --------------------------------------------------------------------------------------------------
-def load_float_model(weights: str | Path, device: torch.device | str = "cpu") -> nn.Module:
-    """A reparameterized (converted) float YOLO checkpoint, fused (Conv+BN, RepConvN) and in eval mode.
-
-    Training checkpoints with the auxiliary PGI branch are refused: run reparameterization.py first.
-    """
-    ckpt = read_checkpoint(weights)
-    model = (ckpt.get("ema") or ckpt["model"]).float()
-    if is_quantized(model):
-        raise ValueError(f"{weights}: already quantized; pass the float (converted) weights")
-    head = type(model.model[-1]).__name__
-    if head.startswith(("Dual", "Triple")):
-        raise ValueError(f"{weights}: {head} head found: these are training weights with the auxiliary "
-                         "branch; convert them first with reparameterization.py")
-    if "Segment" in head or "Panoptic" in head:
-        raise ValueError(f"{weights}: {head} head: segmentation models are not supported by QAT yet (detection only)")
-    model.fuse()
-    return model.to(device).eval()
-
-
-def read_checkpoint(weights: str | Path) -> dict:
-    """torch.load of a file the user passed (pickled YOLO modules need weights_only=False)."""
-    path = Path(weights)
-    if not path.is_file():
-        raise FileNotFoundError(f"--weights {weights}: file not found")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # any unpickling failure means this is not a YOLO checkpoint
-        raise ValueError(f"--weights {weights}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})")
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("ema") or ckpt.get("model"), nn.Module):
-        raise ValueError(f"--weights {weights}: no YOLO model inside (expected a dict with 'model')")
-    return ckpt
-
-
-def load_quantized_model(weights: str | Path, device: torch.device | str = "cpu") -> nn.Module:
-    ckpt = read_checkpoint(weights)
-    model = ckpt["model"]
-    if not is_quantized(model):
-        raise ValueError(f"--weights {weights}: not a quantized model; quantize it first with `qat.py quantize`")
-    return model.float().to(device).eval()
-
-
-def save_checkpoint(model: nn.Module, path: str | Path, **extra) -> Path:
-    """Atomic save (temp file + rename) of a model in FP32: amax and QAT weights keep full precision,
-    so evaluating the file reproduces the numbers measured before saving."""
-    model = copy.deepcopy(model).float().cpu().eval()
-    return atomic_write(path, lambda tmp: torch.save({"model": model, **extra}, tmp))
-
-
 def copy_float(model: nn.Module) -> nn.Module:
     """A detached copy for use as the frozen float teacher."""
     teacher = copy.deepcopy(model).eval()
@@ -494,8 +489,9 @@ def copy_float(model: nn.Module) -> nn.Module:
 
 
 __all__ = [
-    "QuantRecipe", "Int8Quantizer", "fake_quant", "fake_quant_with", "quant_params", "quantize_model", "is_quantized",
+    "QuantRecipe", "Int8Quantizer", "fake_quant", "fake_quant_with", "fake_quant_learnable", "learnable_amax_parameters",
+    "freeze_amax", "quant_params", "quantize_model", "is_quantized",
     "named_quantizers", "quantizer_counts", "layer_quantizers", "quantization_disabled", "calibrate_model",
-    "calibrate_weights", "load_float_model", "load_quantized_model", "read_checkpoint", "save_checkpoint", "copy_float",
+    "calibrate_weights", "copy_float",
     "skip_patterns", "CALIB_METHODS",
 ]

@@ -13,7 +13,6 @@ object. New blocks are covered without new rules, and the lint checks the very s
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn as nn
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
@@ -74,14 +73,3 @@ def share_quantizers(model: nn.Module, imgsz: int = 64, share_add_inputs: bool =
             if child is not None and id(child) in replacement:
                 parent._modules[name] = replacement[id(child)]
     return len(groups)
-
-
-def unshared_joins(graph, share_add_inputs: bool = True) -> list[dict]:
-    """INT8 tensor classes whose quantizers carry more than one scale (each costs TensorRT a reformat)."""
-    consts = constant_values(graph)
-    problems = []
-    for nodes in quantized_classes(graph, share_add_inputs).values():
-        scales = sorted({float(scale_of(n, consts).reshape(-1)[0]) for n in nodes})
-        if len(scales) > 1 and not np.allclose(scales, scales[0], rtol=1e-6, atol=0):
-            problems.append({"quantize_nodes": [n.name for n in nodes], "scales": scales})
-    return problems

@@ -16,33 +16,49 @@ from pathlib import Path
 sys.path.insert(0, str(Path.cwd()))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 
-def _step_time(model, teacher, images, steps: int, amp: bool) -> tuple[float, float]:
-    """Median seconds of one distillation step (forward both, MSE on head maps, backward, Adam) and peak GiB."""
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-6)
-    scaler = torch.amp.GradScaler("cuda", enabled=amp)
-    model.train()
+def _step_time(recipe, model, teacher, images, targets, hyp: dict, steps: int, amp: bool) -> tuple[float, float]:
+    """Median seconds of one QAT training step of `recipe` (teacher forward, student forward and backward, Adam,
+    EMA when the recipe has one) and peak GiB. The same code path as `qat.py quantize` (finetune_epoch)."""
+    from models.finetune import QATObjective, WeightEMA, finetune_epoch, optimizer_for
+    optimizer = optimizer_for(model, recipe)
+    scaler = torch.amp.GradScaler("cuda") if amp else None
+    ema = WeightEMA(model, recipe.ema) if recipe.ema else None
     times = []
     torch.cuda.reset_peak_memory_stats()
-    for i in range(steps + 3):
-        im = images[i % len(images)]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
-            with torch.no_grad():
-                ref = teacher(im)[1]
-            out = model(im)
-            loss = sum(F.mse_loss(a.float(), b.float()) for a, b in zip(out, ref))
-        opt.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
+    with QATObjective(recipe, model, teacher, hyp) as objective:
+        for i in range(steps + 3):
+            batch = iter([(images[i % len(images)], targets)])
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            finetune_epoch(objective, batch, optimizer, scaler, ema, i, steps + 3, 1, 1, "")
+            torch.cuda.synchronize()
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30
+
+
+def _random_targets(batch_size: int, n: int, nc: int, device) -> torch.Tensor:
+    """Upstream targets [image, class, x, y, w, h] (normalised), `n` per image."""
+    g = torch.Generator().manual_seed(0)
+    img = torch.arange(batch_size).repeat_interleave(n).float()
+    cls = torch.randint(0, nc, (batch_size * n,), generator=g).float()
+    xy = torch.rand(batch_size * n, 2, generator=g) * 0.8 + 0.1
+    wh = torch.rand(batch_size * n, 2, generator=g) * 0.15 + 0.05
+    return torch.cat([img[:, None], cls[:, None], xy, wh], 1).to(device)
+
+
+def copy_float_trainable(model):
+    """A deep copy whose parameters are fresh leaves that require grad (fused convs can hold non-leaf tensors;
+    quantizer state, amax included, is copied along)."""
+    import copy
+    model = copy.deepcopy(model)
+    for m in model.modules():
+        for name, param in list(m._parameters.items()):
+            if param is not None:
+                m._parameters[name] = torch.nn.Parameter(param.detach().clone())
+    return model
 
 
 def main(argv=None) -> int:
@@ -54,6 +70,8 @@ def main(argv=None) -> int:
     p.add_argument("--calib-batches", type=int, default=25)
     p.add_argument("--methods", nargs="+", default=["max", "mse", "percentile", "entropy"])
     p.add_argument("--no-amp", action="store_true")
+    p.add_argument("--recipes", nargs="+", default=["--recipe default", "--recipe reference"],
+                   help="QAT recipes to time, each as qat.py quantize flags (e.g. '--distill head --det-loss 1')")
     p.add_argument("--out", type=Path, default=Path("costs.json"))
     opt = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -61,6 +79,10 @@ def main(argv=None) -> int:
         return 2
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.ERROR)
+    import shlex
+    import yaml
+    from qat import parse_opt, qat_recipe
+    from models.finetune import QATRecipe
     from models.quantize import calibrate_model, copy_float, quantize_model, quantizer_counts
     from models.yolo import Model
     dev = torch.device("cuda:0")
@@ -68,16 +90,20 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model = Model(opt.cfg, nc=80).to(dev).eval()
     model.fuse()
-    for m in model.modules():  # fused convs can hold non-leaf tensors; train fresh leaf parameters
-        for name, param in list(m._parameters.items()):
-            if param is not None:
-                m._parameters[name] = torch.nn.Parameter(param.detach().clone())
     teacher = copy_float(model)
     g = torch.Generator(device=dev).manual_seed(0)
     images = [torch.rand(opt.batch_size, 3, opt.imgsz, opt.imgsz, device=dev, generator=g) for _ in range(4)]
+    targets = _random_targets(opt.batch_size, 8, 80, dev)
+    hyp = yaml.safe_load(open("data/hyps/hyp.scratch-high.yaml"))
     result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cfg": opt.cfg,
-              "batch_size": opt.batch_size, "imgsz": opt.imgsz, "amp": amp}
-    fp_s, fp_mem = _step_time(model, teacher, images, opt.steps, amp)
+              "batch_size": opt.batch_size, "imgsz": opt.imgsz, "amp": amp, "recipes": {}}
+    recipes = {}
+    for flags in opt.recipes:  # parsed by qat.py itself: the recipe timed is the recipe those flags train
+        q = parse_opt(["quantize", "--weights", "-", *shlex.split(flags)])
+        recipes[flags] = qat_recipe(q.recipe, **{k: getattr(q, k) for k in QATRecipe.__dataclass_fields__})
+    fp = {}
+    for flags, recipe in recipes.items():  # the float model trained the same way: what QAT is compared with
+        fp[flags] = _step_time(recipe, copy_float_trainable(model), teacher, images, targets, hyp, opt.steps, amp)
     t0 = time.perf_counter()
     quantize_model(model)
     result["insert_quantizers_s"] = round(time.perf_counter() - t0, 2)
@@ -89,9 +115,13 @@ def main(argv=None) -> int:
             t = calibrate_model(model, batches, method, percentile=99.999)
         result["calibration"][method] = {k: round(v, 2) for k, v in t.items()}
         print(f"calibration {method}: {t}", flush=True)
-    qat_s, qat_mem = _step_time(model, teacher, images, opt.steps, amp)
-    result.update({"fp_step_s": round(fp_s, 4), "qat_step_s": round(qat_s, 4), "qat_over_fp": round(qat_s / fp_s, 3),
-                   "fp_peak_gib": round(fp_mem, 2), "qat_peak_gib": round(qat_mem, 2)})
+    for flags, recipe in recipes.items():
+        qat_s, qat_mem = _step_time(recipe, copy_float_trainable(model), teacher, images, targets, hyp, opt.steps,
+                                    amp)
+        fp_s, fp_mem = fp[flags]
+        result["recipes"][flags] = {"recipe": recipe.to_dict(), "fp_step_s": round(fp_s, 4),
+                                   "qat_step_s": round(qat_s, 4), "qat_over_fp": round(qat_s / fp_s, 3),
+                                   "fp_peak_gib": round(fp_mem, 2), "qat_peak_gib": round(qat_mem, 2)}
     opt.out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return 0

@@ -60,6 +60,19 @@ def demo_data320() -> Path:
     return out / "data.yaml"
 
 
+def find_shared() -> Path | None:
+    """The project's shared folder (reference documents, datasets): $YOLOV9_QAT_SHARED, a `shared/` beside the
+    checkout or one of its parents, or beside the repository this checkout was cloned from (a fresh clone in a
+    temp folder still finds the original's neighbour)."""
+    candidates = [os.environ.get("YOLOV9_QAT_SHARED")] + [p / "shared" for p in REPO.parents]
+    origin = subprocess.run(["git", "-C", str(REPO), "config", "--get", "remote.origin.url"], text=True,
+                            capture_output=True).stdout.strip()
+    if origin and "://" not in origin and not origin.startswith("git@"):
+        candidates += [p / "shared" for p in Path(origin).resolve().parents]
+    return next((Path(c) for c in candidates if c and (Path(c) / "reference").is_dir()), None)
+
+
+SHARED = find_shared()
 TRAINED_T = REPO / "assets" / "gelan-t-demo.pt"  # gelan-t trained on the demo dataset (H100, 60 epochs, 320 px)
 
 

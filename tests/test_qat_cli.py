@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import IMGSZ, build_model, run_cli, save_float_checkpoint
@@ -42,7 +43,8 @@ def test_quantize_writes_models_report_and_table(quantize_run):
 def test_best_checkpoint_reloads_on_cpu_and_eval_reproduces_the_report(quantize_run, demo_data, tmp_path):
     save_dir, _ = quantize_run
     best = save_dir / "weights" / "qat_best_gelan-t-demo.pt"
-    from models.quantize import is_quantized, load_quantized_model
+    from models.checkpoint import load_quantized_model
+    from models.quantize import is_quantized
     model = load_quantized_model(best, "cpu")
     assert is_quantized(model)
     r = run_cli("qat.py", "eval", "--weights", best, "--data", demo_data, "--imgsz", IMGSZ, "--batch-size", 8,
@@ -105,3 +107,166 @@ def test_bad_input_is_one_clear_error(case, gelan_t_weights, demo_data, dual_wei
     assert expect in r.stderr + r.stdout
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "x" / "report.json").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# Resume, interruption, checkpoint trust, inputs that would make the result meaningless, permissions
+# --------------------------------------------------------------------------------------------------
+TINY = [*COMMON, "--epochs", 2, "--iters", 2, "--calib-batches", 1, "--num-image", 4, "--no-eval-origin"]
+
+
+def _popen(*args, cwd=None):
+    import os
+    import subprocess
+    import sys
+    from conftest import CHECKOUT
+    return subprocess.Popen([sys.executable, str(CHECKOUT / "qat.py"), *map(str, args)], cwd=CHECKOUT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def _wait_for(pattern_dir, glob, proc, timeout=600):
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if list(pattern_dir.glob(glob)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"{glob} never appeared")
+
+
+def _summary(run_dir):
+    report = json.loads((run_dir / "report.json").read_text())
+    return (sorted(p.name for p in (run_dir / "weights").iterdir()),
+            [(e["epoch"], e["ap"], e["loss"]) for e in report["qat"]], report["qat_best"]["epoch"])
+
+
+def test_killed_run_resumes_to_the_same_result(gelan_t_weights, demo_data, tmp_path):
+    """SIGKILL after the first QAT epoch, then --resume: the same files and numbers as an uninterrupted run
+    (each epoch's data order and augmentation are seeded by the epoch), no temp files left behind."""
+    import signal
+    args = ["quantize", "--weights", gelan_t_weights, "--data", demo_data, *TINY, "--project", tmp_path]
+    full = run_cli("qat.py", *args, "--name", "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    proc = _popen(*args, "--name", "killed")
+    _wait_for(tmp_path / "killed" / "weights", "qat_ep_1_*.pt", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    report = json.loads((tmp_path / "killed" / "report.json").read_text())
+    assert report["ptq"] is not None and not report.get("finished")  # written at every stage
+    r = run_cli("qat.py", "quantize", "--resume", tmp_path / "killed", "--device", "cpu", "--workers", 0)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming" in r.stdout + r.stderr
+    assert _summary(tmp_path / "killed") == _summary(tmp_path / "full")
+    assert not list((tmp_path / "killed").rglob("*.tmp")) and not list((tmp_path / "killed").rglob("qat_state.pt"))
+    again = run_cli("qat.py", "quantize", "--resume", tmp_path / "killed", "--device", "cpu")
+    assert again.returncode == 2 and "nothing to resume" in again.stderr
+
+
+def test_ctrl_c_says_how_to_resume(gelan_t_weights, demo_data, tmp_path):
+    import signal
+    proc = _popen("quantize", "--weights", gelan_t_weights, "--data", demo_data, *TINY, "--project", tmp_path,
+                  "--name", "x")
+    _wait_for(tmp_path / "x" / "weights", "ptq_*.pt", proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130
+    assert f"resume with: python qat.py quantize --resume {tmp_path / 'x'}" in err
+    assert "Traceback" not in err
+
+
+def _evil_checkpoint(path, marker):
+    import os
+    import torch
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+    torch.save({"model": Payload()}, path)
+    return path
+
+
+def test_crafted_checkpoint_does_not_run(demo_data, tmp_path):
+    marker = tmp_path / "pwned"
+    evil = _evil_checkpoint(tmp_path / "evil.pt", marker)
+    r = run_cli("qat.py", "quantize", "--weights", evil, "--data", demo_data, *COMMON, "--project", tmp_path)
+    assert r.returncode == 2 and "--trust-checkpoint" in r.stderr and "posix.system" in r.stderr
+    assert not marker.exists() and "Traceback" not in r.stderr
+    r = run_cli("qat.py", "quantize", "--weights", evil, "--data", demo_data, *COMMON, "--project", tmp_path,
+                "--trust-checkpoint")
+    assert marker.exists()  # the documented switch really unpickles fully (which is why it is opt-in)
+    assert "fully unpickled" in r.stderr and r.returncode == 2
+
+
+def _copy_dataset(src_yaml, dst, keep_val_labels=True, keep_val_images=True):
+    import shutil
+    src = yaml_load(src_yaml)
+    root = Path(src["path"])
+    shutil.copytree(root / "images" / "train", dst / "images" / "train")
+    shutil.copytree(root / "labels" / "train", dst / "labels" / "train")
+    (dst / "images" / "val").mkdir(parents=True)
+    if keep_val_images:
+        shutil.copytree(root / "images" / "val", dst / "images" / "val", dirs_exist_ok=True)
+    if keep_val_labels:
+        shutil.copytree(root / "labels" / "val", dst / "labels" / "val")
+    data = dict(src, path=str(dst))
+    (dst / "data.yaml").write_text(yaml_dump(data))
+    return dst / "data.yaml"
+
+
+def yaml_load(path):
+    import yaml
+    return yaml.safe_load(Path(path).read_text())
+
+
+def yaml_dump(obj):
+    import yaml
+    return yaml.safe_dump(obj)
+
+
+@pytest.mark.parametrize("case", ["nc_mismatch", "val_without_labels", "empty_val", "skip_matches_nothing",
+                                  "project_not_a_dir"])
+def test_meaningless_inputs_are_refused_before_a_run_folder_exists(case, gelan_t_weights, demo_data, tmp_path):
+    weights, data, project, extra = gelan_t_weights, demo_data, tmp_path / "runs", []
+    if case == "nc_mismatch":
+        weights = save_float_checkpoint(build_model("gelan-t", nc=3), tmp_path / "nc3.pt")
+        expect = "predicts 3 classes but --data"
+    elif case == "val_without_labels":
+        data = _copy_dataset(demo_data, tmp_path / "d", keep_val_labels=False)
+        expect = "have no labels"
+    elif case == "empty_val":
+        data = _copy_dataset(demo_data, tmp_path / "d", keep_val_images=False)
+        expect = "val"
+    elif case == "skip_matches_nothing":
+        extra, expect = ["--skip-layers", "99", "model\\.3\\.", "nonexistent_block"], "99 nonexistent_block"
+    else:
+        (tmp_path / "file").write_text("x")
+        project, expect = tmp_path / "file" / "runs", "file"
+    r = run_cli("qat.py", "quantize", "--weights", weights, "--data", data, *COMMON, "--calib-batches", 1,
+                "--epochs", 0, "--project", project, "--name", "x", *extra)
+    assert r.returncode == 2, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and expect in errors[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert not (project / "x").exists()
+
+
+def test_outputs_respect_the_umask_and_eval_leaves_no_empty_folders(quantize_run, demo_data, tmp_path):
+    import os
+    import stat
+    import subprocess
+    import sys
+    from conftest import CHECKOUT
+    best = quantize_run[0] / "weights" / "qat_best_gelan-t-demo.pt"
+    cmd = (f"umask 027 && {sys.executable} {CHECKOUT / 'export_qat.py'} --weights {best} --imgsz {IMGSZ} "
+           f"--exist-ok && {sys.executable} {CHECKOUT / 'qat.py'} eval --weights {best} --data {demo_data} "
+           f"--imgsz {IMGSZ} --device cpu --workers 0 --project {tmp_path} --name ev")
+    r = subprocess.run(["bash", "-c", cmd], cwd=CHECKOUT, capture_output=True, text=True, env=os.environ)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for f in (best.with_suffix(".onnx"), tmp_path / "ev" / "eval.json"):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o640, f
+    assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == ["eval.json"]
+    # files written under the default umask are readable by others (a DeepStream service account)
+    assert stat.S_IMODE((quantize_run[0] / "report.json").stat().st_mode) & 0o044 == 0o044

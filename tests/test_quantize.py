@@ -10,10 +10,10 @@ from conftest import build_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.calibrate import HistogramCollector, amax_entropy, amax_mse, amax_percentile
+from models.checkpoint import load_quantized_model, save_checkpoint
 from models.quantize import (CALIB_METHODS, QuantRecipe, calibrate_model, fake_quant, is_quantized, layer_quantizers,
-                             load_quantized_model, named_quantizers, quantization_disabled, quantize_model,
-                             quantizer_counts, save_checkpoint, skip_patterns)
-from models.quantize_rules import unshared_joins
+                             named_quantizers, quantization_disabled, quantize_model, quantizer_counts, skip_patterns)
+from utils.onnx_utils import unshared_joins
 from utils.onnx_utils import activation_quantize_nodes, model_to_onnx
 
 

@@ -54,7 +54,7 @@ def test_segmentation_pair_equals_main_branch(tmp_path):
     assert summary["params_after"] < summary["params_before"]
     saved = torch.load(tmp_path / "seg.pt", weights_only=False)["model"]
     assert next(saved.parameters()).dtype == torch.float16 and list(saved.names) == list(train.names)
-    from models.quantize import load_float_model
+    from models.checkpoint import load_float_model
     with pytest.raises(ValueError, match="segmentation models are not supported by QAT yet"):
         load_float_model(tmp_path / "seg.pt")
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TRAINED_T, run_cli
+from conftest import REPO, SHARED, TRAINED_T, run_cli
 
-from models.quantize import calibrate_model, load_float_model, load_quantized_model, quantize_model, save_checkpoint
-from utils.onnx_utils import detect_export_mode
+from models.checkpoint import load_float_model, save_checkpoint
+from models.quantize import calibrate_model, quantize_model
 
-REFERENCE = REPO.parent / "shared" / "reference" / "002_fd809eff222b6c94.txt"
+REFERENCE = (SHARED or REPO) / "reference" / "002_fd809eff222b6c94.txt"
 
 
 SIZE = 320  # the trained demo model's size
@@ -41,25 +41,34 @@ def _loader(data_yaml, batch):
 
 
 def test_onnxruntime_backend_equals_pytorch(quantized, demo_data320):
-    """The same metric loop over the PyTorch fake-quant model and over ONNX Runtime running its Q/DQ export."""
-    from val_trt import OnnxRuntimeRunner, evaluate_runner
+    """The same metric loop over the PyTorch fake-quant model and over ONNX Runtime running its Q/DQ export.
+
+    What differs between the two runtimes is the summation order inside each convolution, so a value sitting on
+    an INT8 rounding boundary can round the other way and a few boxes move by a step. mAP averages over all
+    confidences and moves by well under 0.005 (100 images). Precision and recall are read at the single
+    confidence where F1 peaks, and that confidence itself moves with such flips: both get the looser 0.02
+    (seen: recall 0.4732 vs 0.4637 on another machine, where the old 0.005 bound failed)."""
+    from val_trt import OnnxRuntimeRunner, PyTorchRunner, evaluate_runner
     weights, onnx_path = quantized
-    model = load_quantized_model(weights)
-
-    def torch_runner(images):
-        with torch.no_grad(), detect_export_mode(model):
-            return {"output0": model(images)}
-
     data, loader = _loader(demo_data320, 4)
     ours, _ = evaluate_runner(OnnxRuntimeRunner(onnx_path), loader, data["nc"], 0.001, 0.7, False, None)
-    ref, _ = evaluate_runner(torch_runner, loader, data["nc"], 0.001, 0.7, False, None)
+    ref, _ = evaluate_runner(PyTorchRunner(weights, "cpu"), loader, data["nc"], 0.001, 0.7, False, None)
     print("ORT", ours, "PyTorch", ref)
     assert ours["images"] == ref["images"] == 100
     assert ref["ap50"] > 0.1  # a trained model: the comparison is not between two empty results
-    for k in ("ap", "ap50", "recall"):
+    for k in ("ap", "ap50"):
         assert ours[k] == pytest.approx(ref[k], abs=0.005), k
-    # P is read at the max-F1 confidence, which a few flipped INT8 roundings can move: a looser bound.
-    assert ours["precision"] == pytest.approx(ref["precision"], abs=0.02)
+    for k in ("precision", "recall"):
+        assert ours[k] == pytest.approx(ref[k], abs=0.02), k
+
+
+def test_pytorch_backend_runs_the_checkpoint_through_the_same_loop(quantized, demo_data320, tmp_path):
+    weights, _ = quantized
+    r = run_cli("val_trt.py", "--weights", weights, "--data", demo_data320, "--imgsz", SIZE, "--batch-size", 4,
+                "--device", "cpu", "--workers", 0, "--project", tmp_path, "--name", "pt")
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((tmp_path / "pt" / "val_trt.json").read_text())
+    assert result["backend"] == "pytorch" and result["images"] == 100 and result["ap50"] > 0.1
 
 
 def test_cli_batch_1_and_3_agree_and_match_qat_eval(quantized, demo_data320, tmp_path):
@@ -99,12 +108,18 @@ def test_bad_inputs(quantized, demo_data320, tmp_path):
     r = run_cli("val_trt.py", "--onnx-file", static.with_name("static-end2end.onnx"), "--data", demo_data320,
                 "--imgsz", SIZE, "--project", tmp_path)
     assert r.returncode == 2 and "EfficientNMS_TRT" in r.stderr
+    r = run_cli("val_trt.py", "--engine-file", tmp_path / "typo.engine", "--data", demo_data320)
+    assert r.returncode == 2 and "typo.engine: file not found" in r.stderr  # not "TensorRT is not installed"
+    assert run_cli("export_yoloV9.py", "--weights", static, "--size", SIZE, "--exist-ok").returncode == 0
+    r = run_cli("val_trt.py", "--onnx-file", static.with_suffix(".onnx"), "--data", demo_data320, "--imgsz", SIZE,
+                "--project", tmp_path)
+    assert r.returncode == 2 and "DeepStream" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_trtexec_summaries_from_the_reference_logs():
     from utils.trtexec import comparison_table, parse_summary
     if not REFERENCE.is_file():
-        pytest.skip(f"reference logs not present at {REFERENCE}")
+        pytest.skip(f"the shared reference documents were not found (set YOLOV9_QAT_SHARED); looked for {REFERENCE}")
     blocks = REFERENCE.read_text(errors="ignore").split("Throughput:")[1:]
     parsed = [parse_summary("Throughput:" + b.split("```")[0]) for b in blocks]
     assert len(parsed) >= 10
@@ -161,9 +176,13 @@ def test_tensorrt_engine_matches_onnxruntime(quantized, demo_data320, tmp_path):
 def test_val_trt_script_falls_back_to_onnxruntime(quantized, demo_data320, checkout):
     if shutil.which("trtexec"):
         pytest.skip("TensorRT is installed here: the script would build an engine")
-    weights, _ = quantized
-    r = subprocess.run(["bash", str(checkout / "scripts" / "val_trt.sh"), str(weights), str(demo_data320), str(SIZE),
-                        "--batch-size", "4"], cwd=checkout, text=True, capture_output=True, timeout=900)
+    weights, onnx_path = quantized
+    before = onnx_path.read_bytes()
+    cmd = ["bash", str(checkout / "scripts" / "val_trt.sh"), str(weights), str(demo_data320), str(SIZE), "--batch-size",
+           "4"]
+    r = subprocess.run(cmd, cwd=checkout, text=True, capture_output=True, timeout=900)
+    assert r.returncode != 0 and "--exist-ok" in r.stderr and onnx_path.read_bytes() == before  # not overwritten
+    r = subprocess.run([*cmd, "--exist-ok"], cwd=checkout, text=True, capture_output=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "TensorRT (trtexec + Python package) is not available here" in r.stderr
     assert "ONNX Runtime" in r.stdout + r.stderr and "ms/image (onnxruntime, batch 4)" in r.stdout + r.stderr

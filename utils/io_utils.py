@@ -7,9 +7,28 @@ from pathlib import Path
 from typing import Callable
 
 
+class Interrupted(Exception):
+    """Ctrl-C during a run, with what to do next (how to resume)."""
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where Linux allows (os.umask has no getter)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | Path, write: Callable[[str], None], exist_ok: bool = True) -> Path:
     """Call `write(tmp_path)` on a temp file beside `path`, then rename it into place: a failure never
-    leaves a half-written result. With exist_ok=False an existing file is refused."""
+    leaves a half-written result. With exist_ok=False an existing file is refused. The result gets the
+    permissions a plain open() would give (0666 minus the umask; mkstemp makes 0600)."""
     path = Path(path)
     if path.exists() and not exist_ok:
         raise FileExistsError(f"{path} exists; pass --exist-ok to overwrite it")
@@ -18,6 +37,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None], exist_ok: bool 
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -26,8 +46,8 @@ def atomic_write(path: str | Path, write: Callable[[str], None], exist_ok: bool 
 
 
 def cli_main(prog: str, parse_opt: Callable, run: Callable, argv=None) -> int:
-    """parse_opt() -> print_args -> run(**vars(opt)); a user error is one line on stderr and exit code 2.
-    pytorch-quantization's absl logging is kept to errors."""
+    """parse_opt() -> print_args -> run(**vars(opt)); a user error is one line on stderr and exit code 2,
+    Ctrl-C one line and exit code 130. pytorch-quantization's absl logging is kept to errors."""
     from absl import logging as absl_logging
     from utils.general import LOGGER, print_args
     absl_logging.set_verbosity(absl_logging.ERROR)  # pytorch-quantization logs every quantizer state change
@@ -35,7 +55,13 @@ def cli_main(prog: str, parse_opt: Callable, run: Callable, argv=None) -> int:
     print_args(vars(opt))
     try:
         run(**vars(opt))
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+    except (OSError, ValueError) as e:  # missing/unwritable files, bad values: the message names them
         LOGGER.error(f"{prog}: error: {e}")
         return 2
+    except Interrupted as e:
+        LOGGER.error(f"{prog}: {e}")
+        return 130
+    except KeyboardInterrupt:
+        LOGGER.error(f"{prog}: interrupted")
+        return 130
     return 0

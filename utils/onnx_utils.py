@@ -136,3 +136,14 @@ def quantized_classes(graph: onnx.GraphProto, share_add_inputs: bool = True) -> 
     for node in activation_quantize_nodes(graph):
         groups[uf.find(node.input[0])].append(node)
     return dict(groups)
+
+
+def unshared_joins(graph, share_add_inputs: bool = True) -> list[dict]:
+    """INT8 tensor classes whose quantizers carry more than one scale (each costs TensorRT a reformat)."""
+    consts = constant_values(graph)
+    problems = []
+    for nodes in quantized_classes(graph, share_add_inputs).values():
+        scales = sorted({float(scale_of(n, consts).reshape(-1)[0]) for n in nodes})
+        if len(scales) > 1 and not np.allclose(scales, scales[0], rtol=1e-6, atol=0):
+            problems.append({"quantize_nodes": [n.name for n in nodes], "scales": scales})
+    return problems

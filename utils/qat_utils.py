@@ -1,23 +1,20 @@
-"""Data, evaluation, QAT distillation and reporting used by qat.py (upstream YOLOv9 code underneath)."""
+"""Data, evaluation and reporting used by qat.py (upstream YOLOv9 code underneath)."""
 from __future__ import annotations
 
 import itertools
 import json
 import math
 import tempfile
-from contextlib import nullcontext
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import yaml
-from tqdm import tqdm
 
 import val as validate
 from utils.dataloaders import create_dataloader
-from utils.general import LOGGER, TQDM_BAR_FORMAT, check_dataset, colorstr
+from utils.general import LOGGER, check_dataset, colorstr, init_seeds
 from utils.io_utils import atomic_write
 
 METRIC_KEYS = ("ap", "ap50", "precision", "recall")
@@ -45,8 +42,10 @@ def load_hyp(hyp: str | Path) -> dict:
 
 def train_loader(data_dict: dict, imgsz: int, batch_size: int, stride: int, hyp: dict, workers: int,
                  augment: bool) -> torch.utils.data.DataLoader:
+    """Shuffled training batches. A plain DataLoader (upstream's `close_mosaic` switch selects it; mosaic itself
+    follows `hyp`): each pass re-draws its order from `loader.generator`, which `train_batches` seeds."""
     loader, _ = create_dataloader(data_dict["train"], imgsz, batch_size, stride, hyp=hyp, augment=augment,
-                                  workers=workers, shuffle=True, prefix=colorstr("train: "))
+                                  workers=workers, shuffle=True, close_mosaic=True, prefix=colorstr("train: "))
     return loader
 
 
@@ -64,10 +63,37 @@ class FirstBatches:
 
 
 def val_loader(data_dict: dict, imgsz: int, batch_size: int, stride: int, workers: int,
-               num_image: int | None = None) -> FirstBatches:
-    loader, _ = create_dataloader(data_dict["val"], imgsz, batch_size, stride, rect=True, pad=0.5,
-                                  workers=workers, prefix=colorstr("val: "))
+               num_image: int | None = None, data: str | Path = "") -> FirstBatches:
+    """Rectangular validation batches, the same first `num_image` images on every pass (a plain DataLoader:
+    upstream's InfiniteDataLoader resumes where the last, partial pass stopped). Refuses a val set without
+    images or without a single label (every metric would be 0 and a 'best' epoch picked on noise)."""
+    try:
+        loader, dataset = create_dataloader(data_dict["val"], imgsz, batch_size, stride, rect=True, pad=0.5,
+                                            workers=workers, close_mosaic=True, prefix=colorstr("val: "))
+    except Exception as e:  # upstream raises a bare Exception for an empty or unreadable image folder
+        raise ValueError(f"--data {data}: val {data_dict['val']}: {e}".split("\n")[0]) from None
+    if sum(len(labels) for labels in dataset.labels) == 0:
+        raise ValueError(f"--data {data}: the {len(dataset)} validation images have no labels (looked for "
+                         f"{Path(dataset.label_files[0]).parent}/*.txt); mAP would be 0 for every model")
     return FirstBatches(loader, None if num_image is None else math.ceil(num_image / batch_size))
+
+
+def train_batches(loader, device: torch.device, n: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """`n` batches of (images as float 0-1 on `device`, upstream targets), in an order and with augmentations
+    that depend on `seed` only: an epoch seeded by (run seed, epoch) is the same whether or not the run was
+    interrupted and resumed before it."""
+    init_seeds(seed, deterministic=False)  # augmentations drawn in this process (workers=0)
+    generator = getattr(loader, "generator", None)
+    if generator is not None:  # shuffling and the workers' seeds
+        generator.manual_seed(seed)
+    it = iter(loader)
+    for _ in range(n):
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(loader)
+            batch = next(it)
+        yield batch[0].to(device, non_blocking=True).float() / 255, batch[1]
 
 
 def image_batches(loader, device: torch.device, n: int) -> Iterator[torch.Tensor]:
@@ -98,85 +124,6 @@ def evaluate(model: nn.Module, loader, data_dict: dict, conf_thres: float = 0.00
     model.train(was_training)
     return {"ap": round(float(map_), 5), "ap50": round(float(map50), 5),
             "precision": round(float(mp), 5), "recall": round(float(mr), 5)}
-
-
-# --------------------------------------------------------------------------------------------------
-# QAT by distillation from the float model
-# --------------------------------------------------------------------------------------------------
-def supervised_layers(n_layers: int, stride: int) -> list[int]:
-    """Every `stride`-th top-level layer, and always the head."""
-    if stride < 1:
-        raise ValueError(f"--supervision-stride must be >= 1, got {stride}")
-    return sorted(set(range(0, n_layers, stride)) | {n_layers - 1})
-
-
-def _feature_maps(out) -> list[torch.Tensor]:
-    """A layer's output as a list of tensors (heads return (decoded, raw maps) in eval mode)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)) and len(out) == 2 and isinstance(out[1], (list, tuple)):
-        return list(out[1])
-    return [t for t in out if isinstance(t, torch.Tensor)]
-
-
-class LayerTap:
-    """Forward hooks recording the outputs of chosen top-level layers."""
-
-    def __init__(self, model: nn.Module, layers: Iterable[int]):
-        self.outputs: dict[int, list[torch.Tensor]] = {}
-        self._handles = [model.model[i].register_forward_hook(self._hook(i)) for i in layers]
-
-    def _hook(self, i):
-        def record(_module, _inputs, out):
-            self.outputs[i] = _feature_maps(out)
-        return record
-
-    def remove(self):
-        for h in self._handles:
-            h.remove()
-
-
-def lr_at(epoch: int, epochs: int, lr: float) -> float:
-    """Warm-up at lr/10, lr in the middle, lr/10 for the last fifth (the reference QAT schedule, scaled)."""
-    if epochs <= 2:
-        return lr
-    warm, cool = max(1, round(0.3 * epochs)), round(0.8 * epochs)
-    return lr / 10 if epoch < warm or epoch >= cool else lr
-
-
-def distill_epoch(student: nn.Module, teacher: nn.Module, batches: Iterable[torch.Tensor], layers: list[int],
-                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, desc: str,
-                  total: int) -> float:
-    """One QAT epoch: MSE between student (fake-quant) and teacher (float) outputs of `layers`."""
-    student.train()
-    teacher.eval()
-    s_tap, t_tap = LayerTap(student, layers), LayerTap(teacher, layers)
-    device = next(student.parameters()).device
-    autocast = torch.autocast("cuda", dtype=torch.float16) if scaler is not None else nullcontext()
-    losses = []
-    try:
-        pbar = tqdm(batches, total=total, desc=desc, bar_format=TQDM_BAR_FORMAT)
-        for im in pbar:
-            with autocast:
-                with torch.no_grad():
-                    teacher(im)
-                student(im)
-                loss = sum(F.mse_loss(s.float(), t.float())
-                           for i in layers for s, t in zip(s_tap.outputs[i], t_tap.outputs[i]))
-            optimizer.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                optimizer.step()
-            losses.append(float(loss.detach()))
-            pbar.set_postfix(loss=f"{losses[-1]:.5f}", device=str(device))
-    finally:
-        s_tap.remove()
-        t_tap.remove()
-    return sum(losses) / max(len(losses), 1)
 
 
 # --------------------------------------------------------------------------------------------------

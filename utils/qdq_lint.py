@@ -19,7 +19,7 @@ from pathlib import Path
 
 import onnx
 
-from utils.onnx_utils import constant_values, producers
+from utils.onnx_utils import constant_values, producers, unshared_joins
 
 _CONV_OPS = ("Conv", "ConvTranspose")
 # Convs left in float on purpose (models.quantize.QuantRecipe.never_quantize): DFL's fixed box decoder.
@@ -66,7 +66,6 @@ class LintReport:
 
 def lint(model: onnx.ModelProto, share_add_inputs: bool = True,
          allowed_float: tuple[str, ...] = ALLOWED_FLOAT_CONVS) -> LintReport:
-    from models.quantize_rules import unshared_joins
     graph = model.graph
     consts = constant_values(graph)
     prod = producers(graph)

@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 from onnx import TensorProto, helper
 
-from models.quantize import is_quantized, load_float_model, load_quantized_model, read_checkpoint
+from models.checkpoint import load_float_model, load_quantized_model, read_checkpoint
+from models.quantize import is_quantized
 from utils.general import LOGGER, colorstr
 from utils.io_utils import atomic_write
 from utils.onnx_utils import export_onnx
@@ -22,10 +23,12 @@ PREFIX = colorstr("export: ")
 NMS_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
 
 
-def load_for_export(weights: str | Path, device: str | torch.device = "cpu", inplace: bool = False) -> nn.Module:
+def load_for_export(weights: str | Path, device: str | torch.device = "cpu", inplace: bool = False,
+                    trust: bool = False) -> nn.Module:
     """Quantized checkpoints as they are; float ones fused. Heads set to (not) modify tensors in place."""
-    ckpt = read_checkpoint(weights)
-    model = load_quantized_model(weights, device) if is_quantized(ckpt["model"]) else load_float_model(weights, device)
+    ckpt = read_checkpoint(weights, trust)
+    load = load_quantized_model if is_quantized(ckpt["model"]) else load_float_model
+    model = load(weights, device, trust)
     for m in model.modules():
         if hasattr(m, "inplace"):
             m.inplace = inplace

@@ -1,0 +1,146 @@
+"""Reading and writing YOLO checkpoints, safely.
+
+A YOLO checkpoint is a pickled model, and unpickling can run arbitrary code. Files are therefore read with
+`torch.load(weights_only=True)` and an allow-list of the classes such a checkpoint legitimately holds: the
+torch.nn modules, upstream YOLOv9's modules, this overlay's quantized modules and pytorch-quantization's
+modules and calibrators. The list is derived from those packages (every nn.Module subclass they define),
+never a function, so a crafted file cannot call anything. `trust=True` (`--trust-checkpoint`) falls back
+to full unpickling for files from a source the user trusts, with a warning.
+
+Upstream stores methods on modules (`m.forward = m.forward_fuse` when fusing, `self.detect = DDetect.forward`
+in segmentation heads), which pickle as calls of `getattr`. Only a restricted getattr is allowed: it returns
+`forward*` methods of allowed classes and nothing else (a plain getattr would reach any attribute, and from
+there any function).
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import pickle
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from models.quantize import freeze_amax, is_quantized
+from utils.general import LOGGER
+from utils.io_utils import atomic_write
+
+_MODULE_PACKAGES = ("torch.nn", "models.common", "models.yolo", "models.quantize",
+                    "pytorch_quantization.nn", "pytorch_quantization.nn.modules.quant_conv",
+                    "pytorch_quantization.nn.modules.quant_pooling", "pytorch_quantization.nn.modules.tensor_quantizer")
+_CALIBRATOR_PACKAGES = ("pytorch_quantization.calib", "models.calibrate")
+
+
+def _numpy_values() -> list:
+    """What upstream's unstripped checkpoints pickle for `best_fitness` (a numpy float64): data only."""
+    import numpy as np
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray.scalar, np.dtype, *(getattr(np.dtypes, n) for n in ("Float64DType", "Float32DType")
+                                                if hasattr(np, "dtypes") and hasattr(np.dtypes, n))]
+
+
+@lru_cache(maxsize=1)
+def allowed_classes() -> tuple:
+    """Classes a YOLO / yolov9-qat checkpoint may hold: modules and calibrators (no functions), and numpy's
+    scalar reconstruction."""
+    classes = set(_numpy_values())
+    for name in _MODULE_PACKAGES + _CALIBRATOR_PACKAGES:
+        for obj in vars(importlib.import_module(name)).values():
+            if isinstance(obj, type) and (issubclass(obj, nn.Module) or name in _CALIBRATOR_PACKAGES
+                                          and obj.__module__.startswith(name)):
+                classes.add(obj)
+    return tuple(sorted(classes, key=lambda c: f"{c.__module__}.{getattr(c, '__qualname__', c.__name__)}"))
+
+
+def _forward_getattr(obj, name: str):
+    """getattr for unpickling: `forward*` methods of allowed module classes (or their instances) only."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    if not (isinstance(name, str) and name.startswith("forward") and cls in allowed_classes()):
+        raise pickle.UnpicklingError(f"getattr({cls.__name__}, {name!r}) is not allowed in a YOLO checkpoint")
+    return getattr(obj, name)
+
+
+def read_checkpoint(weights: str | Path, trust: bool = False, flag: str = "--weights") -> dict:
+    """The checkpoint dict of a YOLO .pt file, loaded with the allow-list (or fully with `trust`)."""
+    path = Path(weights)
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag} {weights}: file not found")
+    try:
+        with torch.serialization.safe_globals([*allowed_classes(), (_forward_getattr, "builtins.getattr")]):
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if not trust:
+            raise ValueError(f"{flag} {weights}: holds objects outside the allow-list of YOLO classes "
+                             f"({_unsafe_globals(path) or e}); if you trust where the file comes from, "
+                             "pass --trust-checkpoint") from None
+        LOGGER.warning(f"WARNING: {flag} {weights}: fully unpickled (--trust-checkpoint): it could run code")
+        ckpt = _load_untrusted(path, flag)
+    except Exception as e:  # any other failure: not a PyTorch checkpoint at all
+        raise ValueError(f"{flag} {weights}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("ema") or ckpt.get("model"), nn.Module):
+        raise ValueError(f"{flag} {weights}: no YOLO model inside (expected a dict with 'model')")
+    return ckpt
+
+
+def _load_untrusted(path: Path, flag: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ValueError(f"{flag} {path}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
+
+
+def _unsafe_globals(path: Path) -> str:
+    allowed = {f"{c.__module__}.{c.__qualname__}" for c in allowed_classes()}
+    try:
+        names = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path)
+                 if g not in allowed and g != "builtins.getattr"]
+    except Exception:
+        return ""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _storable(model: nn.Module) -> nn.Module:
+    """A CPU FP32 copy with learned amax frozen and no hooks (a training loop's taps belong to that loop)."""
+    model = freeze_amax(copy.deepcopy(model).float().cpu().eval())
+    for m in model.modules():
+        m._forward_hooks.clear()
+        m._forward_pre_hooks.clear()
+    return model
+
+
+def save_checkpoint(model: nn.Module, path: str | Path, **extra) -> Path:
+    """Atomic save (temp file + rename) of a model in FP32: amax and QAT weights keep full precision,
+    so evaluating the file reproduces the numbers measured before saving. Other modules in `extra` (an EMA
+    copy) are stored the same way. Readable without trust."""
+    ckpt = {k: _storable(v) if isinstance(v, nn.Module) else v for k, v in {"model": model, **extra}.items()}
+    return atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
+
+
+def load_float_model(weights: str | Path, device: torch.device | str = "cpu", trust: bool = False) -> nn.Module:
+    """A reparameterized (converted) float YOLO checkpoint, fused (Conv+BN, RepConvN) and in eval mode.
+
+    Training checkpoints with the auxiliary PGI branch are refused: run reparameterization.py first.
+    """
+    ckpt = read_checkpoint(weights, trust)
+    model = (ckpt.get("ema") or ckpt["model"]).float()
+    if is_quantized(model):
+        raise ValueError(f"--weights {weights}: already quantized; pass the float (converted) weights")
+    head = type(model.model[-1]).__name__
+    if head.startswith(("Dual", "Triple")):
+        raise ValueError(f"--weights {weights}: {head} head found: these are training weights with the auxiliary "
+                         "branch; convert them first with reparameterization.py")
+    if "Segment" in head or "Panoptic" in head:
+        raise ValueError(f"--weights {weights}: {head} head: segmentation models are not supported by QAT yet "
+                         "(detection only)")
+    model.fuse()
+    return model.to(device).eval()
+
+
+def load_quantized_model(weights: str | Path, device: torch.device | str = "cpu", trust: bool = False) -> nn.Module:
+    ckpt = read_checkpoint(weights, trust)
+    model = ckpt["model"]
+    if not is_quantized(model):
+        raise ValueError(f"--weights {weights}: not a quantized model; quantize it first with `qat.py quantize`")
+    return model.float().to(device).eval()

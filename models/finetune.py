@@ -1,0 +1,282 @@
+"""Quantization-aware fine-tuning (QAT) of a calibrated INT8 model: the recipe and its parts.
+
+A `QATRecipe` says what the fake-quantized student learns from (the float teacher's layer outputs, the
+teacher's detections, the dataset's labels, or a mix), with which learning-rate schedule, and whether
+activation ranges (amax) are learned and weights averaged (EMA). `QATObjective` turns a recipe into a loss;
+`finetune_epoch` runs one epoch of it. Presets: `RECIPES["default"]` (the measured best, see
+docs/RESULTS.md) and `RECIPES["reference"]` (NVIDIA's YOLOv9 QAT recipe: per-layer MSE, Adam 1e-5, which
+on real photographs lost accuracy against PTQ).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, replace
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from models.quantize import learnable_amax_parameters
+from utils.general import TQDM_BAR_FORMAT
+
+DISTILL_TARGETS = ("head", "layers", "none")
+LR_SCHEDULES = ("cosine", "step")
+
+
+@dataclass(frozen=True)
+class QATRecipe:
+    """What QAT optimises. Every field has a CLI flag of the same name in `qat.py quantize`."""
+
+    distill: str = "head"          # head: teacher's class scores + box distributions; layers: per-layer MSE; none
+    supervision_stride: int = 1    # layers: distil every N-th top-level layer's output (and the head's)
+    det_loss: float = 1.0          # weight of upstream's detection loss on the dataset's labels (0: off)
+    lr: float = 1e-4               # peak learning rate (Adam)
+    lr_schedule: str = "cosine"    # cosine: warm-up then cosine decay per iteration; step: the reference's
+    learn_amax: bool = False       # activation amax as trained parameters (LSQ gradient)
+    ema: float = 0.0               # decay of an exponential moving average of the weights (0: off)
+
+    def __post_init__(self):
+        if self.distill not in DISTILL_TARGETS:
+            raise ValueError(f"--distill must be one of {DISTILL_TARGETS}, got {self.distill!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"--lr-schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.distill == "none" and self.det_loss <= 0:
+            raise ValueError("--distill none needs --det-loss > 0: the student would learn from nothing")
+        if self.lr < 0 or self.det_loss < 0 or not 0 <= self.ema < 1 or self.supervision_stride < 1:
+            raise ValueError("--lr and --det-loss must be >= 0, --ema in [0, 1), --supervision-stride >= 1")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def with_overrides(self, **overrides) -> "QATRecipe":
+        """This recipe with the given fields replaced (None values are ignored)."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+# default: the best of the ablation on real photographs (docs/RESULTS.md, helmet-416, H100): head distillation
+# plus the detection loss, Adam 1e-4 with cosine decay. Learned amax and EMA measured no gain on top of it.
+RECIPES = {
+    "default": QATRecipe(),
+    "reference": QATRecipe(distill="layers", det_loss=0.0, lr=1e-5, lr_schedule="step"),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Learning-rate schedules
+# --------------------------------------------------------------------------------------------------
+def lr_at(step: int, total: int, epochs: int, recipe: QATRecipe) -> float:
+    """Learning rate of iteration `step` of `total` (over `epochs` epochs)."""
+    lr = recipe.lr
+    if recipe.lr_schedule == "step":  # reference: lr/10 for the first 30 % of epochs and the last 20 %
+        if epochs <= 2:
+            return lr
+        epoch = step * epochs // max(total, 1)
+        warm, cool = max(1, round(0.3 * epochs)), round(0.8 * epochs)
+        return lr / 10 if epoch < warm or epoch >= cool else lr
+    warmup = max(1, total // 20)
+    if step < warmup:  # linear warm-up from lr/10: the first steps see freshly quantized, noisy gradients
+        return lr * (0.1 + 0.9 * step / warmup)
+    progress = (step - warmup) / max(total - warmup, 1)
+    return lr * (0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------------------------------
+def feature_maps(out) -> list[torch.Tensor]:
+    """A layer's output as a list of tensors (detection heads return (decoded, raw maps) in eval mode)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)) and len(out) == 2 and isinstance(out[1], (list, tuple)):
+        return list(out[1])
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def head_distill_loss(student: list[torch.Tensor], teacher: list[torch.Tensor], nc: int, reg_max: int
+                      ) -> torch.Tensor:
+    """Distillation on what the detector outputs, per anchor of every level (B, 4*reg_max + nc, H, W):
+
+    - class scores: binary cross-entropy of the student's logits against the teacher's probabilities, minus
+      the teacher's own entropy (0 when they agree). Unlike MSE on logits, background anchors whose scores
+      are saturated near 0 contribute (almost) nothing;
+    - boxes: KL divergence of the student's DFL distributions (4 sides x reg_max bins) from the teacher's,
+      weighted by the teacher's highest class probability, so boxes count where the teacher sees objects.
+    Both are normalised by the summed weights, as upstream's loss is by its target scores.
+    """
+    cls_loss = box_loss = 0.0
+    weight_sum = 0.0
+    for s, t in zip(student, teacher):
+        b = s.shape[0]
+        s, t = s.float().flatten(2), t.float().flatten(2)  # (B, C, A)
+        s_box, s_cls = s.split((4 * reg_max, nc), 1)
+        t_box, t_cls = t.split((4 * reg_max, nc), 1)
+        t_prob = t_cls.sigmoid()
+        cls_loss = cls_loss + (F.binary_cross_entropy_with_logits(s_cls, t_prob, reduction="sum")
+                               - F.binary_cross_entropy_with_logits(t_cls, t_prob, reduction="sum"))
+        weight = t_prob.amax(1)  # (B, A)
+        t_dist = t_box.view(b, 4, reg_max, -1).softmax(2)
+        s_logp = s_box.view(b, 4, reg_max, -1).log_softmax(2)
+        kl = (t_dist * (t_dist.clamp_min(1e-9).log() - s_logp)).sum((1, 2))  # (B, A)
+        box_loss = box_loss + (kl * weight).sum()
+        weight_sum = weight_sum + weight.sum()
+    return (cls_loss + box_loss) / weight_sum.clamp_min(1.0)
+
+
+def supervised_layers(n_layers: int, stride: int) -> list[int]:
+    """Every `stride`-th top-level layer, and always the head."""
+    if stride < 1:
+        raise ValueError(f"--supervision-stride must be >= 1, got {stride}")
+    return sorted(set(range(0, n_layers, stride)) | {n_layers - 1})
+
+
+class LayerTap:
+    """Forward hooks recording the outputs of chosen top-level layers."""
+
+    def __init__(self, model: nn.Module, layers: Iterable[int]):
+        self.outputs: dict[int, list[torch.Tensor]] = {}
+        self._handles = [model.model[i].register_forward_hook(self._hook(i)) for i in layers]
+
+    def _hook(self, i):
+        def record(_module, _inputs, out):
+            self.outputs[i] = feature_maps(out)
+        return record
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+class QATObjective:
+    """The loss of a recipe: distillation from the float teacher and/or upstream's detection loss on labels.
+
+    Call with a batch (images 0-1, upstream targets); returns the total loss and its parts (floats).
+    Use as a context manager: the layer hooks are removed on exit.
+    """
+
+    def __init__(self, recipe: QATRecipe, student: nn.Module, teacher: nn.Module, hyp: dict | None = None):
+        self.recipe, self.student, self.teacher = recipe, student, teacher
+        head = student.model[-1]
+        self.nc, self.reg_max = int(head.nc), int(getattr(head, "reg_max", 16))
+        n = len(student.model)
+        self.layers = supervised_layers(n, recipe.supervision_stride) if recipe.distill == "layers" else [n - 1]
+        self.s_tap, self.t_tap = LayerTap(student, self.layers), LayerTap(teacher, self.layers)
+        self.det_loss = None
+        if recipe.det_loss > 0:
+            from utils.loss_tal import ComputeLoss
+            if hyp is None:
+                raise ValueError("--det-loss needs the training hyperparameters (--hyp)")
+            student.hyp = hyp  # upstream's loss reads its class-loss settings from model.hyp
+            self.det_loss = ComputeLoss(student)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.s_tap.remove()
+        self.t_tap.remove()
+
+    def __call__(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        recipe = self.recipe
+        with torch.no_grad():
+            self.teacher(images)
+        preds = self.student(images)
+        parts, total = {}, images.new_zeros(())
+        if recipe.distill == "layers":
+            loss = sum(F.mse_loss(s.float(), t.float()) for i in self.layers
+                       for s, t in zip(self.s_tap.outputs[i], self.t_tap.outputs[i]))
+            parts["distill"], total = float(loss.detach()), total + loss
+        elif recipe.distill == "head":
+            head = self.layers[-1]
+            loss = head_distill_loss(self.s_tap.outputs[head], self.t_tap.outputs[head], self.nc, self.reg_max)
+            parts["distill"], total = float(loss.detach()), total + loss
+        if self.det_loss is not None:
+            loss, items = self.det_loss(feature_maps(preds), targets.to(images.device))
+            loss = loss / images.shape[0]  # upstream scales by the batch size; per image here
+            parts["det"], total = float(loss.detach()), total + recipe.det_loss * loss
+        return total, parts
+
+
+# --------------------------------------------------------------------------------------------------
+# Weight averaging
+# --------------------------------------------------------------------------------------------------
+class WeightEMA:
+    """Exponential moving average of a model's parameters and floating buffers (amax included).
+
+    Shared quantizers are one object, so tensors are walked once each (`parameters()` and `buffers()`
+    skip duplicates; a state_dict would list a shared amax under every name and decay it several times).
+    The decay ramps up over the first `tau` updates, as upstream's ModelEMA.
+    """
+
+    def __init__(self, model: nn.Module, decay: float, tau: float = 200.0, updates: int = 0):
+        self.model = copy.deepcopy(model).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.decay, self.tau, self.updates = decay, tau, updates
+
+    @staticmethod
+    def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+        """By name, so a learned amax (a parameter) pairs with a frozen one (a buffer) of a resumed copy."""
+        out = dict(model.named_parameters())
+        out.update((n, b) for n, b in model.named_buffers() if b.is_floating_point())
+        return out
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        self.updates += 1
+        d = self.decay * (1 - math.exp(-self.updates / self.tau))
+        current = self._tensors(model)
+        for name, e in self._tensors(self.model).items():
+            e.mul_(d).add_(current[name].detach().to(e.dtype), alpha=1 - d)
+
+
+# --------------------------------------------------------------------------------------------------
+# The epoch
+# --------------------------------------------------------------------------------------------------
+def optimizer_for(model: nn.Module, recipe: QATRecipe) -> torch.optim.Optimizer:
+    """Adam over the weights (and the activation amax when learned): scale-free, so losses of different
+    magnitudes (distillation, detection) need no per-model tuning of the learning rate."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if recipe.learn_amax:
+        params += learnable_amax_parameters(model)
+    unique = list({id(p): p for p in params}.values())
+    return torch.optim.Adam(unique, lr=recipe.lr)
+
+
+def finetune_epoch(objective: QATObjective, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+                   optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, ema: WeightEMA | None,
+                   step: int, total: int, epochs: int, iters: int, desc: str) -> tuple[dict[str, float], int]:
+    """One QAT epoch of `iters` iterations starting at global iteration `step`. Returns mean losses and the
+    next step. AMP (FP16 autocast) where a GradScaler is given."""
+    student, recipe = objective.student, objective.recipe
+    student.train()
+    objective.teacher.eval()
+    autocast = torch.autocast("cuda", dtype=torch.float16) if scaler is not None else nullcontext()
+    sums: dict[str, float] = {}
+    n = 0
+    pbar = tqdm(batches, total=iters, desc=desc, bar_format=TQDM_BAR_FORMAT)
+    for images, targets in pbar:
+        lr = lr_at(step, total, epochs, recipe)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with autocast:
+            loss, parts = objective(images, targets)
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        if ema is not None:
+            ema.update(student)
+        step, n = step + 1, n + 1
+        parts["loss"] = float(loss.detach())
+        for k, v in parts.items():
+            sums[k] = sums.get(k, 0.0) + v
+        pbar.set_postfix(loss=f"{parts['loss']:.5f}", lr=f"{lr:.2e}")
+    return {k: v / max(n, 1) for k, v in sums.items()}, step

@@ -1,0 +1,162 @@
+"""The QAT recipe parts on real upstream models and real quantizers: head distillation, the detection loss,
+learned amax, weight EMA, schedules, and what a trained model still exports as (one scale per shared group)."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import yaml
+from conftest import CHECKOUT, build_model
+
+from models.checkpoint import read_checkpoint, save_checkpoint
+from models.finetune import (RECIPES, QATObjective, QATRecipe, WeightEMA, finetune_epoch, head_distill_loss, lr_at,
+                             optimizer_for)
+from models.quantize import (calibrate_model, copy_float, fake_quant, learnable_amax_parameters, named_quantizers,
+                             quantize_model)
+from utils.onnx_utils import model_to_onnx, unshared_joins
+
+NC, REG_MAX = 3, 16
+
+
+def _images(n=2, size=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand(2, 3, size, size, generator=g) for _ in range(n)]
+
+
+def _targets(batch=2, seed=0):
+    """Upstream targets [image, class, x, y, w, h], two boxes per image."""
+    g = torch.Generator().manual_seed(seed)
+    img = torch.arange(batch).repeat_interleave(2).float()
+    cls = torch.randint(0, NC, (2 * batch,), generator=g).float()
+    return torch.cat([img[:, None], cls[:, None], torch.rand(2 * batch, 2, generator=g) * 0.6 + 0.2,
+                      torch.rand(2 * batch, 2, generator=g) * 0.3 + 0.1], 1)
+
+
+@pytest.fixture(scope="module")
+def ptq_pair():
+    """A calibrated gelan-t (nc=3) and its float teacher."""
+    model = build_model("gelan-t", nc=NC)
+    model.fuse()
+    teacher = copy_float(model)
+    quantize_model(model)
+    calibrate_model(model, _images(), "mse")
+    return model, teacher
+
+
+def _hyp():
+    return yaml.safe_load((CHECKOUT / "data/hyps/hyp.scratch-high.yaml").read_text())
+
+
+def _maps(b=2, a=(8, 4), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, 4 * REG_MAX + NC, s, s, generator=g) * 3 for s in a]
+
+
+def test_head_loss_is_zero_at_agreement_and_flows_back():
+    teacher = _maps()
+    student = [t.clone().requires_grad_(True) for t in teacher]
+    assert float(head_distill_loss(student, teacher, NC, REG_MAX)) == pytest.approx(0.0, abs=1e-5)
+    moved = [(t + 0.3 * torch.randn_like(t)).requires_grad_(True) for t in teacher]
+    loss = head_distill_loss(moved, teacher, NC, REG_MAX)
+    assert float(loss) > 1e-3
+    loss.backward()
+    assert all(m.grad is not None and float(m.grad.abs().sum()) > 0 for m in moved)
+
+
+def test_head_loss_ignores_saturated_background_that_mse_punishes():
+    """The same logit error, once on background anchors that both models score near 0 (changes no detection)
+    and once where the teacher sees an object: MSE on raw maps (the reference recipe's target) weighs both
+    alike; the head loss puts (almost) all its weight on the second."""
+    def case(teacher_logit):
+        teacher = _maps()
+        for t in teacher:
+            t[:, 4 * REG_MAX:] = teacher_logit
+        student = [t.clone() for t in teacher]
+        for s in student:
+            s[:, 4 * REG_MAX:] -= 4.0
+        mse = sum(torch.nn.functional.mse_loss(s, t) for s, t in zip(student, teacher))
+        return float(mse), float(head_distill_loss(student, teacher, NC, REG_MAX))
+    mse_background, head_background = case(-12.0)
+    mse_object, head_object = case(2.0)
+    assert mse_background == pytest.approx(mse_object)
+    assert head_object > 100 * head_background
+
+
+def test_objective_with_detection_loss_trains_the_quantized_model(ptq_pair):
+    model, teacher = copy.deepcopy(ptq_pair[0]), ptq_pair[1]
+    recipe = RECIPES["default"]
+    assert recipe.distill == "head" and recipe.det_loss > 0
+    optimizer = optimizer_for(model, recipe)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with QATObjective(recipe, model, teacher, _hyp()) as objective:
+        losses, step = finetune_epoch(objective, iter([(im, _targets()) for im in _images(3)]), optimizer, None,
+                                      None, 0, 3, 1, 3, "")
+    assert step == 3 and {"distill", "det", "loss"} <= set(losses) and all(math.isfinite(v) for v in losses.values())
+    changed = sum(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert changed > 0.9 * len(before)
+    assert not model.model[-1]._forward_hooks  # the objective's taps are gone
+
+
+def test_lr_zero_changes_nothing(ptq_pair):
+    model, teacher = copy.deepcopy(ptq_pair[0]), ptq_pair[1]
+    recipe = RECIPES["reference"].with_overrides(lr=0.0)
+    before = copy.deepcopy(model.state_dict())
+    with QATObjective(recipe, model, teacher) as objective:
+        finetune_epoch(objective, iter([(im, _targets()) for im in _images(2)]), optimizer_for(model, recipe),
+                       None, None, 0, 2, 1, 2, "")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_learned_amax_gets_gradients_and_exports_one_scale_per_shared_group(ptq_pair, tmp_path):
+    model, teacher = copy.deepcopy(ptq_pair[0]), ptq_pair[1]
+    params = learnable_amax_parameters(model)
+    assert len(params) == sum(1 for _ in named_quantizers(model, activations_only=True))
+    x = _images(1)[0]
+    q = next(q for _, q in named_quantizers(model, activations_only=True))
+    with torch.no_grad():  # the learnable path computes the same values as deployment's fake quantization
+        reference = fake_quant(x, q.amax.detach())
+    assert torch.equal(q(x), reference)
+    recipe = RECIPES["default"].with_overrides(learn_amax=True, lr=1e-2)
+    before = [float(p) for p in params]
+    with QATObjective(recipe, model, teacher, _hyp()) as objective:
+        finetune_epoch(objective, iter([(im, _targets()) for im in _images(2)]), optimizer_for(model, recipe),
+                       None, None, 0, 2, 1, 2, "")
+    moved = sum(float(p) != b for p, b in zip(params, before))
+    assert moved > 0.9 * len(params)
+    assert unshared_joins(model_to_onnx(model, 64).graph) == []  # shared quantizers stayed one object
+    loaded = read_checkpoint(save_checkpoint(model, tmp_path / "q.pt"))["model"]  # frozen, safe to load
+    assert not any(isinstance(q._amax, torch.nn.Parameter) for _, q in named_quantizers(loaded, True))
+    assert torch.equal(loaded.model[-1].cv2[0][0].conv._input_quantizer.amax.reshape(()),
+                       model.model[-1].cv2[0][0].conv._input_quantizer.amax.detach().reshape(()))
+
+
+def test_ema_decays_a_shared_quantizer_once(ptq_pair):
+    model = copy.deepcopy(ptq_pair[0])
+    ema = WeightEMA(model, decay=0.5, tau=1e-9)  # decay 0.5 from the first update
+    i = next(i for i, m in enumerate(model.model) if type(m).__name__ == "QuantConcat")
+    shared = model.model[i]._input_quantizer  # shared with the conv that reads the concat
+    assert shared is model.model[i + 1].cv1.conv._input_quantizer
+    start = float(shared.amax)
+    shared.set_amax(torch.tensor(start + 2.0))
+    ema.update(model)
+    assert float(ema.model.model[i]._input_quantizer.amax) == pytest.approx(start + 1.0)
+
+
+def test_schedules():
+    cosine, step = RECIPES["default"], RECIPES["reference"]
+    total = 1000
+    lrs = [lr_at(i, total, 5, cosine) for i in range(total)]
+    assert lrs[0] == pytest.approx(cosine.lr / 10) and max(lrs) == pytest.approx(cosine.lr, rel=1e-3)
+    assert lrs[-1] < cosine.lr / 50 and all(a >= b for a, b in zip(lrs[60:], lrs[61:]))  # decays after warm-up
+    # the reference: lr/10 for the first 30 % and the last 20 % of epochs, lr between
+    per_epoch = [lr_at(e * 100, 1000, 10, step) for e in range(10)]
+    assert per_epoch == [step.lr / 10] * 3 + [step.lr] * 5 + [step.lr / 10] * 2
+
+
+@pytest.mark.parametrize("bad", [dict(distill="none", det_loss=0.0), dict(distill="logits"), dict(lr=-1.0),
+                                 dict(ema=1.0), dict(lr_schedule="linear")])
+def test_recipe_refuses_meaningless_settings(bad):
+    with pytest.raises(ValueError):
+        QATRecipe(**bad)
