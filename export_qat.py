@@ -26,8 +26,8 @@ from models.quantize import is_quantized  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import cli_main  # noqa: E402
 from utils.qat_utils import write_json  # noqa: E402
-from models.export import (PREFIX, add_efficient_nms, count_qdq, export_to_proto, load_for_export,  # noqa: E402
-                              report_lint, save_onnx, simplify, verify_parity)
+from models.export import (PRECISIONS, PREFIX, add_efficient_nms, count_qdq, export_graph,  # noqa: E402
+                           load_for_export, report_lint, save_onnx, verify_parity)
 from utils.torch_utils import select_device  # noqa: E402
 
 INCLUDE = ("onnx", "onnx_end2end")
@@ -58,35 +58,39 @@ def verification_images(data: str, imgsz: int, batch_size: int, n_batches: int) 
 
 
 def run(weights, include, imgsz, batch_size, dynamic, simplify_, inplace, opset, device, conf_thres, iou_thres,
-        topk_all, verify, data, verify_batches, exist_ok, json=None, trust_checkpoint=False, **_) -> dict:
+        topk_all, verify, data, verify_batches, exist_ok, json=None, trust_checkpoint=False, precision="fp16",
+        io_dtype="fp32", **_) -> dict:
     weights = Path(weights)
     device = select_device(device)
     model = load_for_export(weights, device, inplace, trust_checkpoint)
     quantized = is_quantized(model)
     im = torch.zeros(batch_size, 3, imgsz, imgsz, device=device)
     t0 = time.perf_counter()
-    proto = export_to_proto(model, im, opset, dynamic)
-    if simplify_:
-        proto = simplify(proto)
-    lint_report = report_lint(proto)
-    plain_path = None
+    plain = export_graph(model, im, opset, dynamic, simplify_, precision, io_dtype)
+    lint_report = report_lint(plain)
+    proto = plain
     if include == "onnx_end2end":
-        proto = add_efficient_nms(proto, int(model.model[-1].nc), conf_thres, iou_thres, topk_all)
+        proto = add_efficient_nms(plain, int(model.model[-1].nc), conf_thres, iou_thres, topk_all)
     path = save_onnx(proto, output_path(weights, include), exist_ok)
     q, dq = count_qdq(proto)
     result = {"weights": str(weights), "onnx": str(path), "include": include, "quantized": quantized,
-              "opset": opset, "dynamic": dynamic, "imgsz": imgsz, "batch_size": batch_size, "qdq_pairs": min(q, dq),
+              "precision": precision, "io_dtype": io_dtype, "opset": max(o.version for o in proto.opset_import),
+              "dynamic": dynamic, "imgsz": imgsz, "batch_size": batch_size, "qdq_pairs": min(q, dq),
               "quantize_nodes": q, "dequantize_nodes": dq, "lint": lint_report.to_dict(),
               "outputs": [o.name for o in proto.graph.output], "export_s": round(time.perf_counter() - t0, 2)}
     LOGGER.info(f"{PREFIX}saved {colorstr('bold', path)} ({path.stat().st_size / 1e6:.1f} MB, {min(q, dq)} Q/DQ pairs, "
                 f"{result['export_s']}s)")
     if verify:
+        checked = path
         if include == "onnx_end2end":  # ONNX Runtime has no EfficientNMS_TRT: verify the same graph without it
-            plain_path = output_path(weights, "onnx")
-            if not plain_path.exists():
-                save_onnx(export_to_proto(model, im, opset, dynamic), plain_path, exist_ok=False)
+            checked = path.with_name(path.stem + "-verify.onnx")
+            save_onnx(plain, checked, exist_ok=True)
         images = verification_images(data, imgsz, batch_size, verify_batches)
-        result["parity"] = verify_parity(model, plain_path or path, images, 0.25, iou_thres)
+        try:
+            result["parity"] = verify_parity(model, checked, images, 0.25, iou_thres)
+        finally:
+            if checked != path:
+                checked.unlink(missing_ok=True)
         p = result["parity"]
         LOGGER.info(f"{PREFIX}ONNX Runtime vs PyTorch on {p['images']} images: max abs err {p['max_abs_err']:.3g}, "
                     f"rel err {p['rel_err']:.3g}, identical top detections {p['top_detections_identical']:.1%}")
@@ -104,7 +108,11 @@ def parse_opt(argv=None):
     p.add_argument("--dynamic", action="store_true", help="dynamic batch axis")
     p.add_argument("--simplify", dest="simplify_", action="store_true", help="simplify with onnxslim (Q/DQ kept)")
     p.add_argument("--inplace", action="store_true", help="set the detection head's inplace flag (as upstream export.py)")
-    p.add_argument("--opset", type=int, default=17, help="ONNX opset (>= 13 for per-channel Q/DQ)")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset (>= 13 for per-channel Q/DQ; 19 with --precision fp16)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp16",
+                   help="type of everything that is not INT8: fp16 for strongly typed builds (TensorRT 11, or 10.x "
+                        "--stronglyTyped); fp32 for TensorRT 10 weakly typed builds (--int8 --fp16)")
+    p.add_argument("--io-dtype", choices=PRECISIONS, default="fp32", help="type of the graph's input and outputs")
     p.add_argument("--device", default="cpu", help="cuda device, i.e. 0 or cpu")
     p.add_argument("--conf-thres", type=float, default=0.25, help="EfficientNMS score threshold")
     p.add_argument("--iou-thres", type=float, default=0.45, help="EfficientNMS IoU threshold")

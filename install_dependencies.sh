@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Install the pinned Python stack of yolov9-qat into the active Python (use a venv if you like).
-#   ./install_dependencies.sh [--no-torch] [--tensorrt] [--trex]
+#   ./install_dependencies.sh [--no-torch] [--tensorrt] [--modelopt]
 #     --no-torch   keep the torch/torchvision already installed (e.g. an NVIDIA PyTorch container)
 #     --tensorrt   also try the TensorRT Python package (pip); says clearly when it cannot be had
-#     --trex       also try TensorRT Explorer (engine graph SVGs for scripts/val_trt.sh --generate-graph)
+#     --modelopt   also NVIDIA Model Optimizer's ONNX quantizer, the peer in scripts/benchmark_accuracy.py --modelopt
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PY="${PYTHON:-python3}"
 TORCH_PINS="torch==2.14.1 torchvision==0.29.1"
-with_torch=1 with_trt=0 with_trex=0
+with_torch=1 with_trt=0 with_modelopt=0
 for arg in "$@"; do
   case "$arg" in
     --no-torch) with_torch=0 ;;
     --tensorrt) with_trt=1 ;;
-    --trex) with_trex=1 ;;
+    --modelopt) with_modelopt=1 ;;
     -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
     *) echo "install_dependencies: error: unknown option $arg (see --help)" >&2; exit 2 ;;
   esac
@@ -60,12 +60,13 @@ if [ "$with_trt" = 1 ]; then
   fi
   command -v trtexec >/dev/null 2>&1 || echo "install_dependencies: note: trtexec is not on PATH (it ships with TensorRT: /usr/src/tensorrt/bin)" >&2
 fi
-if [ "$with_trex" = 1 ]; then
-  if pip_install "git+https://github.com/NVIDIA/TensorRT.git#subdirectory=tools/experimental/trt-engine-explorer" \
-      && "$PY" -c "import trex" 2>/dev/null; then
-    echo "install_dependencies: TensorRT Explorer (trex) installed"
-  else
-    echo "install_dependencies: TensorRT Explorer (trex) could NOT be installed (it comes from GitHub, not PyPI);" \
-         "--generate-graph will save the layer JSON without the SVG." >&2
-  fi
+if [ "$with_modelopt" = 1 ]; then
+  # Its [onnx] extra pins onnx/onnxruntime(-gpu) versions other than this stack's; the ONNX quantizer runs with
+  # these modules on top of the pinned onnx and onnxruntime (checked by tests/test_scripts.py).
+  pip_install --no-deps nvidia-modelopt==0.47.0 onnx-graphsurgeon==0.6.1 cppimport mako lief polygraphy \
+    onnxconverter-common pydantic pydantic-core annotated-types typing-inspection nvidia-ml-py onnxscript onnx-ir \
+    ml_dtypes
+  "$PY" -c "import modelopt.onnx.quantization" \
+    && echo "install_dependencies: NVIDIA Model Optimizer $("$PY" -c 'import modelopt; print(modelopt.__version__)') installed" \
+    || { echo "install_dependencies: error: Model Optimizer's ONNX quantizer does not import" >&2; exit 1; }
 fi

@@ -69,9 +69,10 @@ def _check_skip_layers(model, skip_layers) -> None:
                          f"(layers are 0-{len(model.model) - 1}, or regexes over names like 'model.22.cv2')")
 
 
-def _insert_quantizers(model, calib_method, percentile, skip_layers):
+def _insert_quantizers(model, calib_method, percentile, skip_layers, share_rules=True):
     """Insert quantizers (with the TensorRT sharing rules). Returns counts and the time taken."""
-    recipe = QuantRecipe(calib_method=calib_method, percentile=percentile, skip=skip_patterns(skip_layers))
+    recipe = QuantRecipe(calib_method=calib_method, percentile=percentile, skip=skip_patterns(skip_layers),
+                         share_rules=share_rules)
     t0 = time.perf_counter()
     quantize_model(model, recipe)
     insert_s = time.perf_counter() - t0
@@ -152,7 +153,7 @@ def _validated_inputs(weights, data, hyp, device, batch_size, imgsz, workers, nu
 
 def _quantize(save_dir: Path, report: dict, weights, data, hyp, device, batch_size, imgsz, iters, epochs, seed,
               no_eval_origin, no_eval_ptq, calib_method, calib_batches, percentile, skip_layers, workers, num_image,
-              conf_thres, iou_thres, trust_checkpoint, recipe, inputs=None, **overrides):
+              conf_thres, iou_thres, trust_checkpoint, recipe, no_share_rules=False, inputs=None, **overrides):
     inputs = inputs or _validated_inputs(weights, data, hyp, device, batch_size, imgsz, workers, num_image,
                                          skip_layers, trust_checkpoint, epochs, iters)
     device, data_dict, hyp_dict, model, val = (inputs[k] for k in ("device", "data_dict", "hyp_dict", "model", "val"))
@@ -166,7 +167,7 @@ def _quantize(save_dir: Path, report: dict, weights, data, hyp, device, batch_si
         else:
             _ptq_stage(model, report, save_dir, stem, data_dict, hyp_dict, device, imgsz, batch_size, workers, val,
                        calib_method, calib_batches, percentile, skip_layers, no_eval_origin, no_eval_ptq, conf_thres,
-                       iou_thres)
+                       iou_thres, not no_share_rules)
         if epochs > 0 and iters > 0:
             _qat_stage(model, teacher, qat, report, save_dir, stem, data_dict, hyp_dict, device, imgsz, batch_size,
                        workers, val, epochs, iters, seed, conf_thres, iou_thres)
@@ -185,11 +186,11 @@ def _quantize(save_dir: Path, report: dict, weights, data, hyp, device, batch_si
 
 def _ptq_stage(model, report, save_dir, stem, data_dict, hyp_dict, device, imgsz, batch_size, workers, val,
                calib_method, calib_batches, percentile, skip_layers, no_eval_origin, no_eval_ptq, conf_thres,
-               iou_thres):
+               iou_thres, share_rules=True):
     report["origin"] = None if no_eval_origin else evaluate(model, val, data_dict, conf_thres, iou_thres,
                                                             "origin (float)")
     write_json(save_dir / "report.json", report)
-    counts, insert_s = _insert_quantizers(model, calib_method, percentile, skip_layers)
+    counts, insert_s = _insert_quantizers(model, calib_method, percentile, skip_layers, share_rules)
     report["quantizers"] = counts
     times = _calibrate(model, data_dict, device, imgsz, batch_size, _stride(model), hyp_dict, workers, calib_method,
                        percentile, calib_batches)
@@ -223,7 +224,10 @@ def _qat_stage(model, teacher, recipe: QATRecipe, report, save_dir, stem, data_d
         if ema is not None:
             ema.model, ema.updates = state["ema"].to(device), state["ema_updates"]
         start, step = state["epoch"], state["step"]
-        report["qat"] = report.get("qat", [])[:start]
+    # epochs past the saved state are run again (seeded: the same); their entries would be duplicates
+    report["qat"] = report.get("qat", [])[:start]
+    kept = [e for e in report["qat"] if e["epoch"] <= start]
+    report["qat_best"] = max(kept, key=lambda e: e["ap"]) if kept else None
     loader = train_loader(data_dict, imgsz, batch_size, _stride(model), hyp_dict, workers, augment=True)
     with QATObjective(recipe, model, teacher, hyp_dict) as objective:
         for epoch in range(start, epochs):
@@ -382,6 +386,8 @@ def _qat_flags(q):
                    help="train the activation ranges (amax) too")
     q.add_argument("--ema", type=float, default=None, help="weight EMA decay (0: off)")
     q.add_argument("--skip-layers", nargs="*", default=[], help="layer indices or module-name regexes kept in float")
+    q.add_argument("--no-share-rules", action="store_true",
+                   help="measurement only: no TensorRT scale sharing (the export gets reformat layers in TensorRT)")
     q.add_argument("--no-eval-origin", action="store_true", help="do not evaluate the float model")
     q.add_argument("--no-eval-ptq", action="store_true", help="do not evaluate the PTQ model")
     q.add_argument("--resume", type=str, default=None, metavar="RUN_DIR",

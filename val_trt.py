@@ -48,13 +48,15 @@ class OnnxRuntimeRunner:
         self.session = ort_session(path)
         inp = self.session.get_inputs()[0]
         self.input_name = inp.name
+        self.input_dtype = np.float16 if inp.type == "tensor(float16)" else np.float32
         self.input_shape = [d if isinstance(d, int) else None for d in inp.shape]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.output_shapes = {o.name: list(o.shape) for o in self.session.get_outputs()}
 
     def __call__(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        outs = self.session.run(None, {self.input_name: images.cpu().numpy().astype(np.float32)})
-        return {n: torch.from_numpy(o) for n, o in zip(self.output_names, outs)}
+        outs = self.session.run(None, {self.input_name: images.cpu().numpy().astype(self.input_dtype)})
+        return {n: torch.from_numpy(o).float() if o.dtype == np.float16 else torch.from_numpy(o)
+                for n, o in zip(self.output_names, outs)}
 
 
 def _onnx_ops(path) -> set[str]:

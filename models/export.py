@@ -16,11 +16,13 @@ from models.checkpoint import load_float_model, load_quantized_model, read_check
 from models.quantize import is_quantized
 from utils.general import LOGGER, colorstr
 from utils.io_utils import atomic_write
+from utils.onnx_fp16 import to_fp16
 from utils.onnx_utils import export_onnx
 from utils.qdq_lint import LintReport, lint
 
 PREFIX = colorstr("export: ")
 NMS_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
+PRECISIONS = ("fp16", "fp32")
 
 
 def load_for_export(weights: str | Path, device: str | torch.device = "cpu", inplace: bool = False,
@@ -61,6 +63,20 @@ def export_to_proto(model: nn.Module, im: torch.Tensor, opset: int, dynamic: boo
     return proto
 
 
+def export_graph(model: nn.Module, im: torch.Tensor, opset: int, dynamic: bool, simplify_: bool, precision: str,
+                 io_dtype: str, wrapper: nn.Module | None = None, output_names=("output0",)) -> onnx.ModelProto:
+    """The deployable graph: traced in FP32, optionally simplified, then (precision fp16) with every non-INT8
+    part in FP16 for strongly typed TensorRT builds (utils/onnx_fp16.py)."""
+    proto = export_to_proto(model, im, opset, dynamic, wrapper, output_names)
+    if simplify_:
+        proto = simplify(proto)
+    if precision == "fp16":
+        proto = to_fp16(proto, io_dtype)
+    elif io_dtype != "fp32":
+        raise ValueError("--io-dtype fp16 needs --precision fp16")
+    return proto
+
+
 def simplify(proto: onnx.ModelProto) -> onnx.ModelProto:
     """onnxslim, refusing any result that lost Q/DQ pairs (TensorRT would then run those layers in FP16)."""
     import onnxslim
@@ -80,8 +96,10 @@ def add_efficient_nms(proto: onnx.ModelProto, num_classes: int, conf_thres: floa
     Outputs: num_dets [B,1] int32, det_boxes [B,max_det,4] float (x1,y1,x2,y2), det_scores [B,max_det] float,
     det_classes [B,max_det] int32.
     """
+    proto = onnx.ModelProto.FromString(proto.SerializeToString())
     graph = proto.graph
     out = graph.output[0]
+    dtype = out.type.tensor_type.elem_type  # the plugin's boxes and scores keep the predictions' type
     nc = num_classes
     batch_dim = out.type.tensor_type.shape.dim[0]
     batch = batch_dim.dim_param or batch_dim.dim_value or "batch"
@@ -98,8 +116,8 @@ def add_efficient_nms(proto: onnx.ModelProto, num_classes: int, conf_thres: floa
     del graph.output[:]
     graph.output.extend([
         helper.make_tensor_value_info("num_dets", TensorProto.INT32, [batch, 1]),
-        helper.make_tensor_value_info("det_boxes", TensorProto.FLOAT, [batch, max_det, 4]),
-        helper.make_tensor_value_info("det_scores", TensorProto.FLOAT, [batch, max_det]),
+        helper.make_tensor_value_info("det_boxes", dtype, [batch, max_det, 4]),
+        helper.make_tensor_value_info("det_scores", dtype, [batch, max_det]),
         helper.make_tensor_value_info("det_classes", TensorProto.INT32, [batch, max_det]),
     ])
     LOGGER.info(f"{PREFIX}EfficientNMS_TRT appended ({nc} classes, max {max_det} detections per image)")
@@ -120,15 +138,32 @@ def report_lint(proto: onnx.ModelProto) -> LintReport:
 # --------------------------------------------------------------------------------------------------
 # Parity with ONNX Runtime
 # --------------------------------------------------------------------------------------------------
+ORT_FP16_QUANTIZE_FIXED = (1, 32)  # earlier CPU kernels truncate FP16 QuantizeLinear (onnxruntime PR 32452)
+
+
 def ort_session(path: str | Path, optimize: bool = False):
     """CPU session. Without `optimize`, ONNX Runtime executes the Q/DQ graph as written (DQ then float ops),
-    which is the arithmetic the PyTorch fake-quant model does; with it, ORT fuses into its own int8 kernels."""
+    which is the arithmetic the PyTorch fake-quant model does; with it, ORT fuses into its own int8 kernels.
+    An FP16 Q/DQ graph needs onnxruntime >= 1.32: older CPU kernels round FP16 QuantizeLinear toward zero."""
     import onnxruntime as ort
+    version = tuple(int(v) for v in ort.__version__.split(".")[:2])
+    if version < ORT_FP16_QUANTIZE_FIXED and _has_fp16_quantize(path):
+        raise ValueError(f"{path}: an FP16 Q/DQ graph, which onnxruntime {ort.__version__} evaluates wrongly (its CPU "
+                         "QuantizeLinear truncates FP16 instead of rounding); use onnxruntime >= 1.32, or export "
+                         "with --precision fp32 to check it here")
     so = ort.SessionOptions()
     so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                    else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     so.log_severity_level = 3
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _has_fp16_quantize(path: str | Path) -> bool:
+    graph = onnx.load(str(path), load_external_data=False).graph
+    consts = {t.name: t.data_type for t in graph.initializer}
+    consts.update({n.output[0]: a.t.data_type for n in graph.node if n.op_type == "Constant" for a in n.attribute
+                   if a.name == "value"})
+    return any(n.op_type == "QuantizeLinear" and consts.get(n.input[1]) == TensorProto.FLOAT16 for n in graph.node)
 
 
 def _match_fraction(a: list[torch.Tensor], b: list[torch.Tensor], iou: float = 0.95, top_k: int = 10) -> float:
@@ -152,13 +187,14 @@ def verify_parity(model: nn.Module, onnx_path: str | Path, images: list[torch.Te
     from utils.general import non_max_suppression
     from utils.onnx_utils import detect_export_mode
     sess = ort_session(onnx_path)
-    input_name = sess.get_inputs()[0].name
+    inp = sess.get_inputs()[0]
+    input_name, input_dtype = inp.name, np.float16 if inp.type == "tensor(float16)" else np.float32
     max_abs, max_rel, top_match = 0.0, 0.0, []
     t0 = time.perf_counter()
     for im in images:
         with torch.no_grad(), detect_export_mode(model):
             ref = model(im.to(next(model.parameters()).device)).float().cpu()
-        got = torch.from_numpy(sess.run(None, {input_name: im.cpu().numpy().astype(np.float32)})[0])
+        got = torch.from_numpy(sess.run(None, {input_name: im.cpu().numpy().astype(input_dtype)})[0]).float()
         diff = (got - ref).abs()
         max_abs = max(max_abs, float(diff.max()))
         max_rel = max(max_rel, float(diff.norm() / ref.norm().clamp_min(1e-12)))

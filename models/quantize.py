@@ -51,6 +51,9 @@ class QuantRecipe:
     # DFL decodes box distributions with fixed weights; INT8 there costs box precision, saves nothing.
     never_quantize: tuple[str, ...] = (r"\.dfl(\.|$)",)
     share_add_inputs: bool = True      # residual Add inputs use one scale (TensorRT fuses Conv+Add)
+    # TensorRT's scale-sharing rules (models/quantize_rules.py). Off only to measure what they cost in accuracy:
+    # the export then has joins with several scales, where TensorRT inserts reformat layers.
+    share_rules: bool = True
 
     def __post_init__(self):
         if self.calib_method not in CALIB_METHODS:
@@ -345,18 +348,17 @@ def _replace_modules(module: nn.Module, recipe: QuantRecipe, prefix: str = "") -
 # --------------------------------------------------------------------------------------------------
 # Model-level API
 # --------------------------------------------------------------------------------------------------
-def quantize_model(model: nn.Module, recipe: QuantRecipe = QuantRecipe(), share: bool = True,
-                   imgsz: int = 64) -> nn.Module:
+def quantize_model(model: nn.Module, recipe: QuantRecipe = QuantRecipe(), imgsz: int = 64) -> nn.Module:
     """Insert quantizers into a fused (reparameterized) float YOLO model, in place.
 
-    With `share`, quantizers that TensorRT must give one scale are made one object
+    With `recipe.share_rules`, quantizers that TensorRT must give one scale are made one object
     (see `models.quantize_rules`), so calibration and QAT see them as one.
     """
     if is_quantized(model):
         raise ValueError("model is already quantized")
     _replace_modules(model, recipe)
     model.quant_recipe = recipe.to_dict()
-    if share:
+    if recipe.share_rules:
         from models.quantize_rules import share_quantizers  # rules need the quantized model first
         share_quantizers(model, imgsz=imgsz, share_add_inputs=recipe.share_add_inputs)
     return model

@@ -4,7 +4,9 @@
     python scripts/benchmark_trt.py --int8-onnx qat_best.onnx --fp16-onnx float.onnx --imgsz 640 --batches 1 4 8 12
 
 The FP16 engine is built from the float model's ONNX (--fp16-onnx; without it the Q/DQ ONNX is used for both,
-which only shows trtexec's own numbers for that graph). Writes benchmark.json and benchmark.md in --out.
+which only shows trtexec's own numbers for that graph). Each graph gets the flags it needs on the TensorRT found
+(utils/trtexec.py: strongly typed on TensorRT 11; --stronglyTyped or --int8/--fp16 on 10.x): export both with
+the same --precision. Writes benchmark.json and benchmark.md in --out.
 """
 from __future__ import annotations
 
@@ -16,16 +18,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from utils.trtexec import benchmark_command, comparison_table, parse_summary  # noqa: E402
+from utils.trtexec import (benchmark_command, comparison_table, graph_kind, parse_summary,  # noqa: E402
+                           precision_flags, trtexec_path, trtexec_version)
 
 
 def run(int8_onnx: Path, fp16_onnx: Path | None, imgsz: int, batches: list[int], out: Path, duration: int) -> dict:
+    version = trtexec_version(trtexec_path())
+    flags = {onnx: precision_flags(version, *graph_kind(onnx)) for onnx in {fp16_onnx or int8_onnx, int8_onnx}}
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for precision, onnx in (("fp16", fp16_onnx or int8_onnx), ("int8", int8_onnx)):
         for batch in batches:
             engine = out / f"{Path(onnx).stem}-{precision}-b{batch}.engine"
-            cmd = benchmark_command(onnx, imgsz, batch, precision == "int8", engine, duration_s=duration)
+            cmd = benchmark_command(onnx, imgsz, batch, flags[onnx], engine, duration_s=duration)
             print("benchmark_trt:", " ".join(cmd), flush=True)
             log = subprocess.run(cmd, text=True, capture_output=True)
             (out / f"{engine.stem}.log").write_text(log.stdout + log.stderr)
@@ -33,7 +38,8 @@ def run(int8_onnx: Path, fp16_onnx: Path | None, imgsz: int, batches: list[int],
                 raise RuntimeError(f"trtexec failed for {precision} batch {batch}; see {out / (engine.stem + '.log')}")
             rows.append({"precision": precision, "batch": batch, "onnx": str(onnx), **parse_summary(log.stdout)})
     table = comparison_table(rows)
-    result = {"imgsz": imgsz, "rows": rows, "table": table}
+    result = {"imgsz": imgsz, "tensorrt": ".".join(map(str, version)), "flags": {str(k): v for k, v in flags.items()},
+              "rows": rows, "table": table}
     (out / "benchmark.json").write_text(json.dumps(result, indent=2))
     (out / "benchmark.md").write_text(table + "\n")
     print(table)

@@ -8,7 +8,7 @@ import torch
 from conftest import IMGSZ, build_model, run_cli, save_float_checkpoint
 
 from models.checkpoint import save_checkpoint
-from models.quantize import calibrate_model, quantize_model
+from models.quantize import QuantRecipe, calibrate_model, quantize_model
 from models.export import load_for_export, verify_parity
 from utils.onnx_utils import constant_values
 from utils.qdq_lint import lint, lint_file
@@ -140,7 +140,7 @@ def test_end2end_has_efficient_nms_and_cli_lint(quantized_weights, tmp_path):
 def test_lint_flags_unshared_joins_and_strict_fails(tmp_path):
     model = build_model("gelan-t")
     model.fuse()
-    quantize_model(model, share=False)
+    quantize_model(model, QuantRecipe(share_rules=False))
     calibrate_model(model, [torch.rand(1, 3, 64, 64)], "max")
     weights = save_checkpoint(model, tmp_path / "unshared.pt")
     path = _export(weights)["onnx"]

@@ -91,7 +91,7 @@ def test_exported_graph_has_no_unshared_join(cfg, request):
 def test_without_sharing_the_lint_finds_joins():
     model = build_model("gelan-t")
     model.fuse()
-    quantize_model(model, share=False)
+    quantize_model(model, QuantRecipe(share_rules=False))
     calibrate_model(model, _images(1), "max")
     assert len(unshared_joins(model_to_onnx(model, 64).graph)) > 10
 

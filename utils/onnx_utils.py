@@ -21,13 +21,15 @@ DATA_MOVEMENT_OPS = {"Concat", "MaxPool", "Resize", "Split", "Slice", "Identity"
 
 
 @contextlib.contextmanager
-def detect_export_mode(model: nn.Module, dynamic: bool = False) -> Iterator[None]:
-    """Put YOLO detection heads in export mode (return decoded predictions only), restoring after."""
+def detect_export_mode(model: nn.Module) -> Iterator[None]:
+    """Put YOLO detection heads in export mode (return decoded predictions only), restoring after. The anchor
+    grid is built once per input shape (not `dynamic`): exports only make the batch dynamic, and a grid built
+    while tracing would become shape arithmetic in the graph (ONNX Range has no FP16)."""
     heads = [m for m in model.modules() if hasattr(m, "export") and hasattr(m, "stride") and hasattr(m, "nc")]
     saved = [(m, m.export, getattr(m, "dynamic", False)) for m in heads]
     try:
         for m in heads:
-            m.export, m.dynamic = True, dynamic
+            m.export, m.dynamic = True, False
         yield
     finally:
         for m, export, dyn in saved:
@@ -36,12 +38,14 @@ def detect_export_mode(model: nn.Module, dynamic: bool = False) -> Iterator[None
 
 def export_onnx(model: nn.Module, im: torch.Tensor, f: str | Path | BinaryIO, *, opset: int = 17,
                 dynamic: bool = False, output_names: tuple[str, ...] = ("output0",)) -> None:
-    """TorchScript-based export (pytorch-quantization's fake-quant ops map to QuantizeLinear/DequantizeLinear)."""
+    """TorchScript-based export (pytorch-quantization's fake-quant ops map to QuantizeLinear/DequantizeLinear).
+    `dynamic` makes the batch axis dynamic; height and width stay those of `im`."""
     dynamic_axes = None
     if dynamic:
         dynamic_axes = {"images": {0: "batch"}, **{n: {0: "batch"} for n in output_names}}
-    with detect_export_mode(model, dynamic), torch.no_grad(), warnings.catch_warnings():
+    with detect_export_mode(model), torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)  # shape-dependent Python in upstream heads
+        model(im)  # builds the anchor grid for this shape, so the trace holds it as a constant
         torch.onnx.export(model, im, f, opset_version=opset, input_names=["images"],
                           output_names=list(output_names), dynamic_axes=dynamic_axes,
                           do_constant_folding=True, dynamo=False)

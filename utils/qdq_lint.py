@@ -5,7 +5,9 @@
 Reports what makes TensorRT insert reformat layers or fall back to FP16/FP32:
 - joins (Concat, MaxPool, Resize, Split/Slice, residual Add) whose quantized tensors carry different scales;
 - Conv/ConvTranspose whose input or weight is not quantized;
-- QuantizeLinear nodes with no DequantizeLinear after them.
+- QuantizeLinear nodes with no DequantizeLinear after them;
+- types as a strongly typed build (TensorRT 11) takes them: inconsistent types (strict ONNX shape inference),
+  and in an FP16 graph any node still computing in FP32 (it would run in FP32).
 Exit status is 1 with --strict when anything is found, 2 for an unreadable file.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import onnx
 
+from utils.onnx_fp16 import float_types, fp32_compute_nodes
 from utils.onnx_utils import constant_values, producers, unshared_joins
 
 _CONV_OPS = ("Conv", "ConvTranspose")
@@ -28,6 +31,10 @@ ALLOWED_FLOAT_CONVS = (r"/dfl/",)
 
 @dataclass
 class LintReport:
+    precision: str = "fp32"            # type of the non-INT8 compute: fp16 or fp32
+    scale_dtypes: list = field(default_factory=list)
+    fp32_compute: list = field(default_factory=list)   # in an fp16 graph: nodes still computing in FP32
+    typing_error: str = ""             # ONNX shape inference (strict, with types) failed
     quantize_nodes: int = 0
     dequantize_nodes: int = 0
     convs: int = 0
@@ -43,21 +50,28 @@ class LintReport:
 
     @property
     def problems(self) -> int:
-        return len(self.unshared_joins) + len(self.unquantized_convs) + len(self.dangling_quantize)
+        return (len(self.unshared_joins) + len(self.unquantized_convs) + len(self.dangling_quantize)
+                + len(self.fp32_compute) + bool(self.typing_error))
 
     def summary(self) -> str:
+        typing = (f"; {self.precision} graph" + (f", FP32 compute nodes: {len(self.fp32_compute)}"
+                                                  if self.precision == "fp16" else "")
+                  + (f"; TYPING ERROR: {self.typing_error}" if self.typing_error else ""))
         if not self.is_quantized:
-            return f"qdq_lint: no Q/DQ nodes ({self.convs} convs): a float model, TensorRT picks precisions itself"
+            return f"qdq_lint: no Q/DQ nodes ({self.convs} convs): a float model{typing}" + "".join(
+                f"\n  FP32 {c['op']}: {c['node']}" for c in self.fp32_compute)
         lines = [f"qdq_lint: {self.quantize_nodes} Q / {self.dequantize_nodes} DQ nodes, "
                  f"{self.quantized_convs}/{self.convs} convs quantized ({len(self.float_by_design)} float by design); "
                  f"unshared-scale joins: {len(self.unshared_joins)}, unquantized convs: {len(self.unquantized_convs)}, "
-                 f"Q without DQ: {len(self.dangling_quantize)}"]
+                 f"Q without DQ: {len(self.dangling_quantize)}; scales {'/'.join(self.scale_dtypes)}{typing}"]
         for j in self.unshared_joins:
             lines.append(f"  join with {len(j['scales'])} scales: {', '.join(j['quantize_nodes'][:4])}")
         for c in self.unquantized_convs:
             lines.append(f"  unquantized {c['op']}: {c['node']} ({', '.join(c['missing'])})")
         for q in self.dangling_quantize:
             lines.append(f"  Q without DQ: {q}")
+        for c in self.fp32_compute:
+            lines.append(f"  FP32 {c['op']}: {c['node']}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -95,7 +109,24 @@ def lint(model: onnx.ModelProto, share_add_inputs: bool = True,
         report.unshared_joins = unshared_joins(graph, share_add_inputs)
     else:
         report.unquantized_convs, report.float_by_design = [], []  # nothing to say about a float model
+    _check_typing(model, report, consts)
     return report
+
+
+def _check_typing(model: onnx.ModelProto, report: LintReport, consts: dict) -> None:
+    """Types as TensorRT's strongly typed build will take them: consistent (strict shape inference), Q/DQ scale
+    types, and in an FP16 graph every float compute node in FP16."""
+    scale_types = {consts[n.input[1]].dtype.name for n in model.graph.node
+                   if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.input[1] in consts}
+    report.scale_dtypes = sorted(scale_types)
+    try:
+        types = set(float_types(model).values())
+    except Exception as e:  # onnx raises InferenceError / ValidationError subclasses without a common base
+        report.typing_error = str(e).splitlines()[0][:300]
+        return
+    report.precision = "fp16" if onnx.TensorProto.FLOAT16 in types or "float16" in scale_types else "fp32"
+    if report.precision == "fp16":
+        report.fp32_compute = fp32_compute_nodes(model)
 
 
 def lint_file(path: str | Path, share_add_inputs: bool = True) -> LintReport:

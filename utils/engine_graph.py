@@ -1,0 +1,184 @@
+"""What TensorRT built: layers, precisions and reformat layers of an engine, from trtexec's JSON (no trex).
+
+    python -m utils.engine_graph MODEL.layer.json [--profile MODEL.profile.json] [--strict] [--svg OUT.svg]
+
+Reads `trtexec --exportLayerInfo` (with --profilingVerbosity=detailed) and optionally `--exportProfile`, from
+TensorRT 10 ("Format/Datatype" per tensor) or 11 (separate "Format" and "DataType"). Reports the layers by type
+and by precision, every Reformat layer with its origin (QDQ: a requantization between two INT8 scales; REFORMAT:
+a layout copy) and whether it sits at the network's input/output or inside it, and with a profile the share of
+time per precision. NVIDIA's QAT guidance is that a well-placed Q/DQ graph has no reformat layers inside the
+network: --strict exits 1 when it has. --svg draws the engine graph with Graphviz (`dot`), coloured by precision;
+without `dot` the .dot file is written instead, and says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PRECISION_COLOURS = {"INT8": "#76b900", "FP16": "#4f9fd8", "FP32": "#e8a33d", "FP8": "#9b59b6"}
+
+
+def tensor_precision(tensor: dict) -> str:
+    """INT8 / FP16 / FP32 / INT32 / BOOL / ... from a tensor's Format/Datatype text (TensorRT 10 or 11)."""
+    text = " ".join(str(tensor.get(k, "")) for k in ("Format/Datatype", "DataType", "Datatype", "Format")).lower()
+    for needle, name in (("int8", "INT8"), ("fp8", "FP8"), ("fp16", "FP16"), ("half", "FP16"), ("bf16", "BF16"),
+                         ("fp32", "FP32"), ("float", "FP32"), ("int32", "INT32"), ("int64", "INT64"),
+                         ("bool", "BOOL")):
+        if needle in text:
+            return name
+    return "?"
+
+
+def layer_precision(layer: dict) -> str:
+    """The precision a layer computes in: its outputs' type (a Reformat's output is what it converts to)."""
+    outs = [tensor_precision(t) for t in layer.get("Outputs", [])]
+    return outs[0] if outs else "?"
+
+
+@dataclass
+class EngineReport:
+    layers: int = 0
+    by_type: dict = field(default_factory=dict)
+    by_precision: dict = field(default_factory=dict)
+    reformats: list = field(default_factory=list)
+    internal_reformats: int = 0
+    time_ms_by_precision: dict = field(default_factory=dict)
+    time_share_by_precision: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        lines = [f"engine_graph: {self.layers} layers; by precision: "
+                 + ", ".join(f"{k} {v}" for k, v in sorted(self.by_precision.items()))
+                 + f"; Reformat layers: {len(self.reformats)} ({self.internal_reformats} inside the network)"]
+        lines.append("  layer types: " + ", ".join(f"{k} {v}" for k, v in sorted(self.by_type.items())))
+        for r in self.reformats:
+            lines.append(f"  Reformat {r['name']} [{r['origin']}, {r['where']}]: {r['from']} -> {r['to']}")
+        if self.time_share_by_precision:
+            lines.append("  time share: " + ", ".join(f"{k} {v:.1%}" for k, v in
+                                                      sorted(self.time_share_by_precision.items())))
+        return "\n".join(lines)
+
+
+def load_layers(path: str | Path) -> tuple[list[dict], set[str]]:
+    """Layers and the names of the network's I/O tensors (TensorRT 10 "Bindings" or 11 "I/O Tensors")."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: file not found")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    layers = data.get("Layers") if isinstance(data, dict) else None
+    if not layers or not all(isinstance(layer, dict) for layer in layers):
+        raise ValueError(f"{path}: no detailed layer list; build with trtexec --profilingVerbosity=detailed "
+                         "--exportLayerInfo")
+    io = data.get("Bindings") or [t.get("Name") for t in data.get("I/O Tensors", [])]
+    return layers, set(io)
+
+
+def load_profile(path: str | Path) -> dict[str, float]:
+    """Total time (ms) per layer name from trtexec --exportProfile (the first entry is the run count)."""
+    entries = json.loads(Path(path).read_text())
+    return {e["name"]: float(e.get("timeMs", 0.0)) for e in entries if isinstance(e, dict) and "name" in e}
+
+
+def analyse(layers: list[dict], io: set[str], profile: dict[str, float] | None = None) -> EngineReport:
+    report = EngineReport(layers=len(layers), by_type=dict(Counter(layer.get("LayerType", "?") for layer in layers)),
+                          by_precision=dict(Counter(layer_precision(layer) for layer in layers)))
+    for layer in layers:
+        if layer.get("LayerType") != "Reformat":
+            continue
+        ins = [t.get("Name") for t in layer.get("Inputs", [])]
+        outs = [t.get("Name") for t in layer.get("Outputs", [])]
+        where = "network input" if set(ins) & io else "network output" if set(outs) & io else "inside"
+        report.reformats.append({
+            "name": layer.get("Name", "?"), "origin": layer.get("Origin", "?"), "where": where,
+            "from": tensor_precision(layer["Inputs"][0]) if layer.get("Inputs") else "?",
+            "to": tensor_precision(layer["Outputs"][0]) if layer.get("Outputs") else "?"})
+    report.internal_reformats = sum(r["where"] == "inside" for r in report.reformats)
+    if profile:
+        times = Counter()
+        for layer in layers:
+            times[layer_precision(layer)] += profile.get(layer.get("Name"), 0.0)
+        total = sum(times.values()) or 1.0
+        report.time_ms_by_precision = {k: round(v, 4) for k, v in times.items()}
+        report.time_share_by_precision = {k: round(v / total, 4) for k, v in times.items()}
+    return report
+
+
+def to_dot(layers: list[dict], io: set[str]) -> str:
+    """Graphviz DOT of the engine: one box per layer (type, precision), edges along the tensors."""
+    def quote(s):
+        return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    producers = {t.get("Name"): i for i, layer in enumerate(layers) for t in layer.get("Outputs", [])}
+    lines = ["digraph engine {", "  rankdir=TB; node [shape=box, style=filled, fontname=Helvetica, fontsize=10];"]
+    for name in sorted(io):
+        lines.append(f"  {quote('io:' + name)} [label={quote(name)}, shape=ellipse, fillcolor=white];")
+    for i, layer in enumerate(layers):
+        precision = layer_precision(layer)
+        label = f"{layer.get('LayerType', '?')} ({precision})\\n{str(layer.get('Name', ''))[:60]}"
+        colour = "#d0021b" if layer.get("LayerType") == "Reformat" else PRECISION_COLOURS.get(precision, "#cccccc")
+        lines.append(f"  L{i} [label={quote(label)}, fillcolor={quote(colour)}];")
+        for t in layer.get("Inputs", []):
+            src = producers.get(t.get("Name"))
+            if src is not None:
+                lines.append(f"  L{src} -> L{i};")
+            elif t.get("Name") in io:
+                lines.append(f"  {quote('io:' + t.get('Name'))} -> L{i};")
+        for t in layer.get("Outputs", []):
+            if t.get("Name") in io:
+                lines.append(f"  L{i} -> {quote('io:' + t.get('Name'))};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def write_svg(dot_text: str, svg: Path) -> Path:
+    """SVG via Graphviz's `dot`; without it, the .dot beside where the SVG would be."""
+    from utils.io_utils import atomic_write
+    dot = shutil.which("dot")
+    if dot is None:
+        path = atomic_write(svg.with_suffix(".dot"), lambda tmp: Path(tmp).write_text(dot_text))
+        print(f"engine_graph: Graphviz 'dot' not found (apt install graphviz): wrote {path} instead of {svg}")
+        return path
+    r = subprocess.run([dot, "-Tsvg"], input=dot_text, capture_output=True, text=True, timeout=300)
+    if r.returncode:
+        raise ValueError(f"dot failed: {r.stderr.strip()[:300]}")
+    return atomic_write(svg, lambda tmp: Path(tmp).write_text(r.stdout))
+
+
+def parse_opt(argv=None):
+    p = argparse.ArgumentParser(prog="python -m utils.engine_graph", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("layers", help="trtexec --exportLayerInfo JSON (built with --profilingVerbosity=detailed)")
+    p.add_argument("--profile", default=None, help="trtexec --exportProfile JSON: time share per precision")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a Reformat layer sits inside the network")
+    p.add_argument("--svg", type=Path, default=None, help="draw the engine graph (Graphviz)")
+    p.add_argument("--json", type=Path, default=None, help="write the report as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    opt = parse_opt(argv)
+    try:
+        layers, io = load_layers(opt.layers)
+        profile = load_profile(opt.profile) if opt.profile else None
+        report = analyse(layers, io, profile)
+        if opt.svg:
+            write_svg(to_dot(layers, io), opt.svg)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        print(f"engine_graph: error: {e}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    if opt.json:
+        from utils.io_utils import atomic_write
+        atomic_write(opt.json, lambda tmp: Path(tmp).write_text(json.dumps(asdict(report), indent=2)))
+    return 1 if opt.strict and report.internal_reformats else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
