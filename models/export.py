@@ -16,7 +16,7 @@ from models.checkpoint import load_float_model, load_quantized_model, read_check
 from models.quantize import is_quantized
 from utils.general import LOGGER, colorstr
 from utils.io_utils import atomic_write
-from utils.onnx_fp16 import to_fp16
+from utils.onnx_fp16 import FP16_OPSET, to_fp16
 from utils.onnx_utils import export_onnx
 from utils.qdq_lint import LintReport, lint
 
@@ -67,6 +67,8 @@ def export_graph(model: nn.Module, im: torch.Tensor, opset: int, dynamic: bool, 
                  io_dtype: str, wrapper: nn.Module | None = None, output_names=("output0",)) -> onnx.ModelProto:
     """The deployable graph: traced in FP32, optionally simplified, then (precision fp16) with every non-INT8
     part in FP16 for strongly typed TensorRT builds (utils/onnx_fp16.py)."""
+    if precision == "fp16":  # FP16 Q/DQ scales need opset 19; traced there, not bumped (Reduce ops changed at 18)
+        opset = max(opset, FP16_OPSET)
     proto = export_to_proto(model, im, opset, dynamic, wrapper, output_names)
     if simplify_:
         proto = simplify(proto)
@@ -100,19 +102,30 @@ def add_efficient_nms(proto: onnx.ModelProto, num_classes: int, conf_thres: floa
     graph = proto.graph
     out = graph.output[0]
     dtype = out.type.tensor_type.elem_type  # the plugin's boxes and scores keep the predictions' type
+    preds = out.name
+    cast = next((n for n in graph.node if n.output[0] == out.name and n.op_type == "Cast"), None)
+    if cast is not None:  # an FP16 graph with FP32 outputs: NMS runs on the FP16 predictions, its outputs are cast
+        graph.node.remove(cast)
+        preds = cast.input[0]
     nc = num_classes
     batch_dim = out.type.tensor_type.shape.dim[0]
     batch = batch_dim.dim_param or batch_dim.dim_value or "batch"
     const = [helper.make_tensor("nms_split", TensorProto.INT64, [2], [4, nc])]
     graph.initializer.extend(const)
+    plugin_outputs = list(NMS_OUTPUTS)
+    if cast is not None:
+        plugin_outputs[1:3] = ["det_boxes_fp16", "det_scores_fp16"]
     graph.node.extend([
-        helper.make_node("Transpose", [out.name], ["nms_preds"], perm=[0, 2, 1], name="nms_transpose"),
+        helper.make_node("Transpose", [preds], ["nms_preds"], perm=[0, 2, 1], name="nms_transpose"),
         helper.make_node("Split", ["nms_preds", "nms_split"], ["nms_boxes", "nms_scores"], axis=2, name="nms_split"),
-        helper.make_node("EfficientNMS_TRT", ["nms_boxes", "nms_scores"], list(NMS_OUTPUTS), name="EfficientNMS_TRT",
+        helper.make_node("EfficientNMS_TRT", ["nms_boxes", "nms_scores"], plugin_outputs, name="EfficientNMS_TRT",
                          background_class=-1, box_coding=1, iou_threshold=float(iou_thres),
                          max_output_boxes=int(max_det), plugin_version="1", score_activation=0,
                          score_threshold=float(conf_thres), **({"class_agnostic": 1} if class_agnostic else {})),
     ])
+    if cast is not None:
+        graph.node.extend(helper.make_node("Cast", [f"{n}_fp16"], [n], to=dtype, name=f"{n}_to_fp32")
+                          for n in ("det_boxes", "det_scores"))
     del graph.output[:]
     graph.output.extend([
         helper.make_tensor_value_info("num_dets", TensorProto.INT32, [batch, 1]),

@@ -96,11 +96,16 @@ def _val_trt(source: list[str], data: str, imgsz: int, out: Path) -> dict:
     return json.loads(result.read_text())
 
 
-def export_onnx(weights: Path, imgsz: int) -> Path:
-    onnx_file = weights.with_suffix(".onnx")
+def export_onnx(weights: Path, imgsz: int, precision: str = "fp32") -> Path:
+    """FP32 graphs by default: the arithmetic of the PyTorch fake-quant model (what the ONNX Runtime figure is
+    compared with) and Model Optimizer's expected input; fp16 for the strongly typed deployment graph."""
+    onnx_file = weights.with_name(f"{weights.stem}-{precision}.onnx")
     if not onnx_file.is_file():
-        _run([sys.executable, "export_qat.py", "--weights", str(weights), "--include", "onnx", "--dynamic",
-              "--imgsz", str(imgsz), "--exist-ok"], weights.parent / f"{weights.stem}.export.log")
+        copy = weights.with_name(onnx_file.stem + ".pt")  # export_qat writes beside its input, named after it
+        shutil.copyfile(weights, copy)
+        _run([sys.executable, "export_qat.py", "--weights", str(copy), "--include", "onnx", "--dynamic",
+              "--imgsz", str(imgsz), "--precision", precision, "--exist-ok"], weights.parent / f"{copy.stem}.export.log")
+        copy.unlink()
     return onnx_file
 
 
@@ -108,7 +113,8 @@ def lint_summary(onnx_file: Path, share_add_inputs: bool = True) -> dict:
     from utils.qdq_lint import lint_file
     report = lint_file(onnx_file, share_add_inputs)
     return {"qdq_nodes": report.quantize_nodes, "convs": report.convs, "quantized_convs": report.quantized_convs,
-            "unshared_joins": len(report.unshared_joins), "unquantized_convs": len(report.unquantized_convs)}
+            "unshared_joins": len(report.unshared_joins), "unquantized_convs": len(report.unquantized_convs),
+            "precision": report.precision, "fp32_compute": len(report.fp32_compute)}
 
 
 def calibration_images(data: str, imgsz: int, n: int, path: Path) -> Path:
@@ -172,9 +178,10 @@ def benchmark_model(name: str, weights: Path, data: str, dataset: str, imgsz: in
     deploy["qat"] = qat_best
     with ThreadPoolExecutor(max(1, jobs // 2)) as pool:
         onnx_files = dict(zip(deploy, pool.map(lambda w: export_onnx(w, imgsz), deploy.values())))
+    onnx_files["qat-fp16"] = export_onnx(qat_best, imgsz, "fp16")  # the graph TensorRT 11 builds
     entry["ort"] = {k: val_onnx(f, data, imgsz, root / f"ort-{k}") for k, f in onnx_files.items()}
     entry["torch_square"] = {"qat": val_torch(qat_best, data, imgsz, root / "torch-qat", device)}
-    entry["lint"] = {k: lint_summary(f) for k, f in onnx_files.items() if k in ("qat", f"ptq-{best_method}")}
+    entry["lint"] = {k: lint_summary(f) for k, f in onnx_files.items() if k in ("qat", "qat-fp16", f"ptq-{best_method}")}
     if peer is not None:
         entry["modelopt"] = peer
     write_json(root / "entry.json", entry)
@@ -188,7 +195,7 @@ def modelopt_peer(weights: Path, data: str, imgsz: int, root: Path, calib_images
     fp_copy = root / f"fp-{weights.name}"  # the float ONNX is written beside its .pt: not into the user's folder
     if not fp_copy.is_file():
         shutil.copyfile(weights, fp_copy)
-    fp_onnx = export_onnx(fp_copy, imgsz)
+    fp_onnx = export_onnx(fp_copy, imgsz, "fp32")
     calib = calibration_images(data, imgsz, calib_images, root.parent / f"modelopt-calib-{imgsz}-{calib_images}.npy")
     results = {}
     for method in MODELOPT_METHODS:
@@ -279,6 +286,8 @@ def accuracy_table(entries: list[dict]) -> str:
         recipe = e.get("qat_recipe", {})
         what = ", ".join(f"{k} {v}" for k, v in recipe.items() if k in ("distill", "det_loss", "lr") and v)
         row(f"QAT ({e['qat_calibration']}; {what}), best epoch {e['qat']['epoch']}", e["qat"], ort.get("qat"), "qat")
+        if ort.get("qat-fp16"):
+            row("QAT, FP16 Q/DQ graph (TensorRT 11's)", None, ort["qat-fp16"], "qat-fp16")
         if e.get("torch_square"):
             row("QAT, PyTorch through val_trt.py (the ONNX Runtime row's letterbox)", e["torch_square"]["qat"])
         for m, r in e.get("modelopt", {}).items():

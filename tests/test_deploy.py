@@ -51,6 +51,8 @@ def test_fp16_graph_is_all_fp16_and_matches_the_fp32_graph(quantized_weights, de
     assert [i.type.tensor_type.elem_type for i in model.graph.input] == [onnx.TensorProto.FLOAT]
     assert [o.type.tensor_type.elem_type for o in model.graph.output] == [onnx.TensorProto.FLOAT]
     assert graph_kind(fp16["onnx"]) == ("fp16", True)
+    casts = [n.name for n in model.graph.node if n.op_type == "Cast"]  # only at the FP32 input and output
+    assert sorted(casts) == ["images_to_fp16", "output0_to_fp32"]
     assert fp16["parity"]["rel_err"] < 0.1 and fp16["parity"]["top_detections_identical"] >= 0.8
     fp32 = _export(quantized_weights, tmp_path, "--precision", "fp32")
     assert fp32["lint"]["precision"] == "fp32" and fp32["lint"]["scale_dtypes"] == ["float32"]

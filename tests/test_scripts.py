@@ -141,12 +141,13 @@ def test_benchmark_accuracy_measures_merges_and_resumes_on_cpu(gelan_t_weights, 
     assert entry["dataset"] == "demo" and entry["train_epochs"] == 1 and entry["where"] == "cpu"
     assert set(entry["ptq"]) == {"max", "mse", "percentile-99.99", "percentile-99.999", "entropy"}
     assert entry["qat_recipe"]["distill"] == "head" and len(entry["qat_epochs"]) == 1
-    assert set(entry["ort"]) == {"qat", f"ptq-{entry['qat_calibration']}"}
+    assert set(entry["ort"]) == {"qat", "qat-fp16", f"ptq-{entry['qat_calibration']}"}
     for m in [entry["fp"], entry["qat"], entry["torch_square"]["qat"], *entry["ort"].values(), *entry["ptq"].values()]:
         assert 0.0 <= m["ap"] <= m["ap50"] <= 1.0
     assert entry["lint"]["qat"]["unshared_joins"] == 0 and entry["lint"]["qat"]["unquantized_convs"] == 0
+    assert entry["lint"]["qat-fp16"]["precision"] == "fp16" and entry["lint"]["qat-fp16"]["fp32_compute"] == 0
     table = (out / "accuracy.md").read_text()
-    assert table.count("| demo | cpu | gelan-t |") == 8 and result["table"] == table.strip()
+    assert table.count("| demo | cpu | gelan-t |") == 9 and result["table"] == table.strip()
     again = run_cli("scripts/benchmark_accuracy.py", *args, timeout=600)
     assert again.returncode == 0
     assert not [line for line in again.stdout.splitlines() if line.startswith("+ ")]  # no step ran again

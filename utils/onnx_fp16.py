@@ -36,11 +36,9 @@ def to_fp16(model: onnx.ModelProto, io_dtype: str = "fp32") -> onnx.ModelProto:
     """A copy of a float32 (Q/DQ) graph whose floating-point compute is FP16."""
     if io_dtype not in ("fp32", "fp16"):
         raise ValueError(f"--io-dtype must be fp32 or fp16, got {io_dtype!r}")
+    if any(o.domain in ("", "ai.onnx") and o.version < FP16_OPSET for o in model.opset_import):
+        raise ValueError(f"FP16 Q/DQ scales need opset >= {FP16_OPSET}: export the graph at that opset")
     model = onnx.ModelProto.FromString(model.SerializeToString())
-    for opset in model.opset_import:
-        if opset.domain in ("", "ai.onnx") and opset.version < FP16_OPSET:
-            opset.version = FP16_OPSET
-    model.ir_version = max(model.ir_version, 9)  # opset 19 needs IR 9
     graph = model.graph
     keep = float32_only_inputs(graph)
     for i, t in enumerate(graph.initializer):
