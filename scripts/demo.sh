@@ -42,10 +42,11 @@ if [ "$TRAIN" = 1 ]; then
   python3 train.py --data "$DATA" --cfg models/detect/gelan-t.yaml --weights '' --hyp data/hyps/hyp.scratch-high.yaml \
     --img "$IMGSZ" --batch 16 --epochs "$EPOCHS" --device "$DEVICE" --workers "$WORKERS" --seed 0 \
     --project runs/demo --name train --exist-ok
-  cp runs/demo/train/weights/best_striped.pt "$MODEL"
+  SOURCE="$WORKDIR/runs/demo/train/weights/best_striped.pt"
 else
-  cp "$HERE/assets/gelan-t-demo.pt" "$MODEL"
+  SOURCE="$HERE/assets/gelan-t-demo.pt"
 fi
+cp "$SOURCE" "$MODEL"
 
 step "quantize $(basename "$MODEL"): PTQ calibration + $QAT_EPOCHS QAT epochs x $QAT_ITERS iterations on $DEVICE"
 python3 qat.py quantize --weights "$MODEL" --data "$DATA" --imgsz "$IMGSZ" --batch-size 16 --device "$DEVICE" \
@@ -59,7 +60,7 @@ python3 val_trt.py --onnx-file "${QAT%.pt}.onnx" --data "$DATA" --imgsz "$IMGSZ"
   --project "$WORKDIR/runs/demo" --name ort --exist-ok
 
 step "results"
-python3 - "$MODEL" "$DATA" "$WORKDIR/runs/demo" "$(( $(date +%s) - start ))" <<'PY'
+python3 - "$SOURCE" "$DATA" "$WORKDIR/runs/demo" "$(( $(date +%s) - start ))" <<'PY'
 import json, sys
 from pathlib import Path
 model, data, runs, seconds = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])

@@ -78,6 +78,17 @@ def val_loader(data_dict: dict, imgsz: int, batch_size: int, stride: int, worker
     return FirstBatches(loader, None if num_image is None else math.ceil(num_image / batch_size))
 
 
+def _cycle(loader, n: int) -> Iterator:
+    """`n` batches of `loader`, starting a new pass when one ends."""
+    it = iter(loader)
+    for _ in range(n):
+        try:
+            yield next(it)
+        except StopIteration:
+            it = iter(loader)
+            yield next(it)
+
+
 def train_batches(loader, device: torch.device, n: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """`n` batches of (images as float 0-1 on `device`, upstream targets), in an order and with augmentations
     that depend on `seed` only: an epoch seeded by (run seed, epoch) is the same whether or not the run was
@@ -86,25 +97,13 @@ def train_batches(loader, device: torch.device, n: int, seed: int) -> Iterator[t
     generator = getattr(loader, "generator", None)
     if generator is not None:  # shuffling and the workers' seeds
         generator.manual_seed(seed)
-    it = iter(loader)
-    for _ in range(n):
-        try:
-            batch = next(it)
-        except StopIteration:
-            it = iter(loader)
-            batch = next(it)
+    for batch in _cycle(loader, n):
         yield batch[0].to(device, non_blocking=True).float() / 255, batch[1]
 
 
 def image_batches(loader, device: torch.device, n: int) -> Iterator[torch.Tensor]:
     """`n` batches of images as float 0-1 tensors on `device` (cycling the loader if it is short)."""
-    it = iter(loader)
-    for _ in range(n):
-        try:
-            batch = next(it)
-        except StopIteration:
-            it = iter(loader)
-            batch = next(it)
+    for batch in _cycle(loader, n):
         yield batch[0].to(device, non_blocking=True).float() / 255
 
 
