@@ -167,7 +167,9 @@ def test_killed_run_resumes_to_the_same_result(gelan_t_weights, demo_data, tmp_p
 
 def test_ctrl_c_says_how_to_resume(gelan_t_weights, demo_data, tmp_path):
     import signal
-    proc = _popen("quantize", "--weights", gelan_t_weights, "--data", demo_data, *TINY, "--project", tmp_path,
+    # long enough a QAT stage (minutes) that the signal lands inside it, whatever the machine's speed
+    args = [*COMMON, "--epochs", 50, "--iters", 100, "--calib-batches", 1, "--num-image", 4, "--no-eval-origin"]
+    proc = _popen("quantize", "--weights", gelan_t_weights, "--data", demo_data, *args, "--project", tmp_path,
                   "--name", "x")
     _wait_for(tmp_path / "x" / "weights", "ptq_*.pt", proc)
     proc.send_signal(signal.SIGINT)
