@@ -160,7 +160,9 @@ def benchmark_model(name: str, weights: Path, data: str, dataset: str, imgsz: in
             lambda m: qat_run([*common, *CALIBRATIONS[m], "--epochs", "0",
                                *([] if m == "max" else ["--no-eval-origin"])], root / f"ptq-{m}"), CALIBRATIONS)))
     best_method = max(ptq, key=lambda m: ptq[m]["ptq"]["ap"])
-    peer = modelopt_peer(weights, data, imgsz, root, calib_images) if modelopt else None
+    # Model Optimizer calibrates on the CPU (ONNX Runtime): it runs beside QAT, which holds the GPU
+    peer_pool = ThreadPoolExecutor(1)
+    peer = peer_pool.submit(modelopt_peer, weights, data, imgsz, root, calib_images) if modelopt else None
     qat_args = qat_args() if callable(qat_args) else qat_args
     qat = qat_run([*common, *CALIBRATIONS[best_method], "--epochs", str(qat_epochs), "--iters", str(iters),
                    "--no-eval-origin", *qat_args], root / "qat")
@@ -183,7 +185,8 @@ def benchmark_model(name: str, weights: Path, data: str, dataset: str, imgsz: in
     entry["torch_square"] = {"qat": val_torch(qat_best, data, imgsz, root / "torch-qat", device)}
     entry["lint"] = {k: lint_summary(f) for k, f in onnx_files.items() if k in ("qat", "qat-fp16", f"ptq-{best_method}")}
     if peer is not None:
-        entry["modelopt"] = peer
+        entry["modelopt"] = peer.result()
+    peer_pool.shutdown()
     write_json(root / "entry.json", entry)
     return entry
 
