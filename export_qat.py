@@ -1,4 +1,4 @@
-"""Export a (quantized) YOLOv9 / GELAN model to ONNX for TensorRT.
+"""Export a (quantized) YOLOv9 / GELAN detection or segmentation model to ONNX for TensorRT.
 
     python export_qat.py --weights runs/qat/exp/weights/qat_best_yolov9-c-converted.pt --include onnx --dynamic --simplify
     python export_qat.py --weights runs/qat/exp/weights/qat_best_yolov9-c-converted.pt --include onnx_end2end
@@ -6,7 +6,8 @@
 
 Quantized weights give QuantizeLinear/DequantizeLinear pairs (per-channel weights, axis 0, int8 zero points)
 that TensorRT builds into INT8 kernels; float weights give a plain FP ONNX. Every export is linted for
-TensorRT readiness (utils/qdq_lint.py).
+TensorRT readiness (utils/qdq_lint.py). Segmentation models export two outputs: output0 (boxes, class scores
+and mask coefficients per anchor) and output1 (the mask prototypes).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import cli_main  # noqa: E402
 from utils.qat_utils import write_json  # noqa: E402
 from models.export import (PRECISIONS, PREFIX, add_efficient_nms, count_qdq, export_graph,  # noqa: E402
-                           load_for_export, report_lint, save_onnx, verify_parity)
+                           load_for_export, output_names, report_lint, save_onnx, verify_parity)
 from utils.torch_utils import select_device  # noqa: E402
 
 INCLUDE = ("onnx", "onnx_end2end")
@@ -63,10 +64,15 @@ def run(weights, include, imgsz, batch_size, dynamic, simplify_, inplace, opset,
     weights = Path(weights)
     device = select_device(device)
     model = load_for_export(weights, device, inplace, trust_checkpoint)
+    names = output_names(model)
+    if include == "onnx_end2end" and len(names) > 1:
+        raise ValueError(f"--include onnx_end2end: {weights} is a segmentation model, and EfficientNMS_TRT does not "
+                         "output which anchors it kept, so their mask coefficients cannot be gathered; export "
+                         "--include onnx (predictions + prototypes) and run NMS and mask assembly after the engine")
     quantized = is_quantized(model)
     im = torch.zeros(batch_size, 3, imgsz, imgsz, device=device)
     t0 = time.perf_counter()
-    plain = export_graph(model, im, opset, dynamic, simplify_, precision, io_dtype)
+    plain = export_graph(model, im, opset, dynamic, simplify_, precision, io_dtype, output_names=names)
     lint_report = report_lint(plain)
     proto = plain
     if include == "onnx_end2end":

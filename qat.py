@@ -1,4 +1,4 @@
-"""INT8 quantization of reparameterized YOLOv9 / GELAN detection models for TensorRT.
+"""INT8 quantization of reparameterized YOLOv9 / GELAN detection and segmentation models for TensorRT.
 
     python qat.py quantize  --weights yolov9-c-converted.pt --data data/coco.yaml   # PTQ + QAT
     python qat.py quantize  --resume runs/qat/exp                                   # continue an interrupted run
@@ -30,8 +30,9 @@ from models.quantize import (CALIB_METHODS, QuantRecipe, calibrate_model, copy_f
                              quantizer_counts, skip_patterns)
 from utils.general import LOGGER, colorstr, increment_path, init_seeds  # noqa: E402
 from utils.io_utils import Interrupted, cli_main  # noqa: E402
-from utils.qat_utils import (METRIC_KEYS, evaluate, image_batches, load_data, load_hyp, metrics_table,  # noqa: E402
-                             train_batches, train_loader, val_loader, write_json)
+from utils.qat_utils import (METRIC_KEYS, MASK_METRIC_KEYS, evaluate, image_batches, load_data,  # noqa: E402
+                             load_hyp, metrics_table, selection_score, task_of, train_batches, train_loader,
+                             val_loader, write_json)
 from utils.torch_utils import select_device  # noqa: E402
 
 PREFIX = colorstr("qat: ")
@@ -84,7 +85,7 @@ def _insert_quantizers(model, calib_method, percentile, skip_layers, share_rules
 
 def _calibrate(model, data_dict, device, imgsz, batch_size, stride, hyp, workers, method, percentile,
                calib_batches):
-    loader = train_loader(data_dict, imgsz, batch_size, stride, hyp, workers, augment=False)
+    loader = train_loader(data_dict, imgsz, batch_size, stride, hyp, workers, augment=False, task=task_of(model))
     n = min(calib_batches, len(loader))
     batches = tqdm(image_batches(loader, device, n), total=n, desc=f"{PREFIX}calibrating ({method})")
     times = calibrate_model(model, batches, method, percentile)
@@ -145,9 +146,10 @@ def _validated_inputs(weights, data, hyp, device, batch_size, imgsz, workers, nu
     model = load_float_model(weights, device, trust_checkpoint)
     _check_classes(model, data_dict, weights, data)
     _check_skip_layers(model, skip_layers)
-    val = val_loader(data_dict, imgsz, batch_size * 2, _stride(model), workers, num_image, data)
+    task = task_of(model)
+    val = val_loader(data_dict, imgsz, batch_size * 2, _stride(model), workers, num_image, data, task)
     if epochs > 0 and iters > 0:
-        train_loader(data_dict, imgsz, batch_size, _stride(model), hyp_dict, workers, augment=False)  # readable
+        train_loader(data_dict, imgsz, batch_size, _stride(model), hyp_dict, workers, augment=False, task=task)
     return {"device": device, "data_dict": data_dict, "hyp_dict": hyp_dict, "model": model, "val": val}
 
 
@@ -175,7 +177,8 @@ def _quantize(save_dir: Path, report: dict, weights, data, hyp, device, batch_si
         raise Interrupted(f"interrupted; resume with: python qat.py quantize --resume {save_dir}") from None
     best = report.get("qat_best")
     rows = [("Origin (PyTorch)", report.get("origin")), ("PTQ (PyTorch INT8)", report.get("ptq")),
-            ("QAT best (PyTorch INT8)", None if best is None else {k: best[k] for k in METRIC_KEYS})]
+            ("QAT best (PyTorch INT8)", None if best is None else {k: best[k] for k in METRIC_KEYS + MASK_METRIC_KEYS
+                                                                   if k in best})]
     report["table"] = _print_report(rows)
     report["finished"] = True
     (save_dir / "weights" / STATE_FILE).unlink(missing_ok=True)  # only needed to resume an unfinished run
@@ -227,8 +230,9 @@ def _qat_stage(model, teacher, recipe: QATRecipe, report, save_dir, stem, data_d
     # epochs past the saved state are run again (seeded: the same); their entries would be duplicates
     report["qat"] = report.get("qat", [])[:start]
     kept = [e for e in report["qat"] if e["epoch"] <= start]
-    report["qat_best"] = max(kept, key=lambda e: e["ap"]) if kept else None
-    loader = train_loader(data_dict, imgsz, batch_size, _stride(model), hyp_dict, workers, augment=True)
+    report["qat_best"] = max(kept, key=selection_score) if kept else None
+    loader = train_loader(data_dict, imgsz, batch_size, _stride(model), hyp_dict, workers, augment=True,
+                          task=task_of(model))
     with QATObjective(recipe, model, teacher, hyp_dict) as objective:
         for epoch in range(start, epochs):
             t0 = time.perf_counter()
@@ -245,7 +249,7 @@ def _qat_stage(model, teacher, recipe: QATRecipe, report, save_dir, stem, data_d
                      "file": str(f)}
             report["qat"].append(entry)
             best = report.get("qat_best")
-            if best is None or metrics["ap"] > best["ap"]:
+            if best is None or selection_score(metrics) > selection_score(best):
                 report["qat_best"] = entry
                 report["qat_best_file"] = str(save_checkpoint(trained, save_dir / "weights" / f"qat_best_{stem}.pt",
                                                               stage="qat", epoch=epoch + 1, metrics=metrics))
@@ -265,7 +269,7 @@ def run_eval(weights, data, device, batch_size, imgsz, project, name, exist_ok, 
     data_dict = load_data(data)
     model = load_quantized_model(weights, device, trust_checkpoint)
     _check_classes(model, data_dict, weights, data)
-    val = val_loader(data_dict, imgsz, batch_size, _stride(model), workers, num_image, data)
+    val = val_loader(data_dict, imgsz, batch_size, _stride(model), workers, num_image, data, task_of(model))
     save_dir = _new_run_dir(project, name, exist_ok)
     t0 = time.perf_counter()
     metrics = evaluate(model, val, data_dict, conf_thres, iou_thres, f"{weights}")
@@ -287,7 +291,7 @@ def run_sensitive(weights, data, hyp, device, batch_size, imgsz, project, name, 
     model = load_float_model(weights, device, trust_checkpoint)
     _check_classes(model, data_dict, weights, data)
     stride = _stride(model)
-    val = val_loader(data_dict, imgsz, batch_size, stride, workers, num_image, data)
+    val = val_loader(data_dict, imgsz, batch_size, stride, workers, num_image, data, task_of(model))
     save_dir = _new_run_dir(project, name, exist_ok)
     _insert_quantizers(model, calib_method, percentile, [])
     _calibrate(model, data_dict, device, imgsz, batch_size, stride, hyp_dict, workers, calib_method, percentile,

@@ -1,4 +1,5 @@
-"""COCO-style mAP of a deployed model: a TensorRT engine, or the same ONNX run by ONNX Runtime.
+"""COCO-style mAP of a deployed model: a TensorRT engine, or the same ONNX run by ONNX Runtime. Detection, or
+instance segmentation (box and mask mAP; recognised by the prototype output `output1`, or `--task segment`).
 
     python val_trt.py --engine-file model.engine --data data/coco.yaml --imgsz 640 --batch-size 8
     python val_trt.py --onnx-file model.onnx --data data/coco.yaml --backend onnxruntime
@@ -30,7 +31,7 @@ from utils.general import (LOGGER, TQDM_BAR_FORMAT, colorstr, increment_path, no
                            scale_boxes, xywh2xyxy)
 from utils.io_utils import cli_main  # noqa: E402
 from utils.metrics import ap_per_class  # noqa: E402
-from utils.qat_utils import load_data, metrics_table, write_json  # noqa: E402
+from utils.qat_utils import TASKS, load_data, metrics_table, write_json  # noqa: E402
 
 PREFIX = colorstr("val_trt: ")
 BACKENDS = ("tensorrt", "onnxruntime", "pytorch")
@@ -119,18 +120,19 @@ class PyTorchRunner:
     runtimes are compared with, image for image."""
 
     def __init__(self, path: str | Path, device: str, trust: bool = False):
-        from models.export import load_for_export
+        from models.export import load_for_export, output_names
         from utils.onnx_utils import detect_export_mode
         self.device = torch.device(device)
         self.model = load_for_export(path, self.device, trust=trust)
         self._export_mode = detect_export_mode
         self.input_shape = [None, 3, None, None]
-        self.output_names = ["output0"]
+        self.output_names = list(output_names(self.model))
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         with self._export_mode(self.model):
-            return {"output0": self.model(images.to(self.device)).float().cpu()}
+            out = self.model(images.to(self.device))
+        return {n: t.float().cpu() for n, t in zip(self.output_names, out if isinstance(out, tuple) else (out,))}
 
 
 def make_runner(backend: str, engine_file: str | None, onnx_file: str | None, weights: str | None, device: str,
@@ -155,13 +157,37 @@ def make_runner(backend: str, engine_file: str | None, onnx_file: str | None, we
     return OnnxRuntimeRunner(path)
 
 
-def check_outputs(runner, nc: int, model: str) -> None:
+def model_task(runner) -> str:
+    """"segment" when the model also outputs mask prototypes (a 4-D second output), else "detect"."""
+    shapes = getattr(runner, "output_shapes", {})
+    names = list(runner.output_names)
+    if len(names) == 2 and (shapes.get(names[1]) is None or len(shapes[names[1]]) == 4):
+        return "segment"
+    return "detect"
+
+
+def check_outputs(runner, nc: int, model: str, task: str = "detect") -> None:
     """Refuse models whose outputs are not what this loop evaluates: EfficientNMS_TRT's four tensors, or
-    one [batch, 4 + nc, anchors] prediction tensor (e.g. export_yoloV9.py's DeepStream [batch, anchors, 6])."""
+    one [batch, 4 + nc, anchors] prediction tensor (e.g. export_yoloV9.py's DeepStream [batch, anchors, 6]);
+    for segmentation [batch, 4 + nc + nm, anchors] and the prototypes [batch, nm, h, w]."""
     names = list(runner.output_names)
     if "num_dets" in names:
+        if task == "segment":
+            raise ValueError(f"{model}: an end-to-end (EfficientNMS_TRT) model has no masks; evaluate the plain export")
         return
-    shape = getattr(runner, "output_shapes", {}).get(names[0])
+    shapes = getattr(runner, "output_shapes", {})
+    if task == "segment":
+        proto = shapes.get(names[1]) if len(names) == 2 else None
+        if len(names) != 2 or (proto is not None and len(proto) != 4):
+            raise ValueError(f"{model}: --task segment needs two outputs (predictions, prototypes [batch, nm, h, w]); "
+                             f"this model has {names}")
+        nm = proto[1] if proto is not None and isinstance(proto[1], int) else None
+        pred = shapes.get(names[0])
+        if nm and pred is not None and isinstance(pred[1], int) and pred[1] != 4 + nc + nm:
+            raise ValueError(f"{model}: output {names[0]} has shape {pred}, expected [batch, {4 + nc + nm} "
+                             f"(4 + nc + {nm} mask coefficients), anchors] for the --data's {nc} classes")
+        return
+    shape = shapes.get(names[0])
     if shape is None or len(shape) != 3:
         if shape is not None:
             raise ValueError(f"{model}: output {names[0]} has shape {shape}; expected [batch, 4 + {nc}, anchors]")
@@ -178,15 +204,15 @@ def check_outputs(runner, nc: int, model: str) -> None:
 # Detections and metrics
 # --------------------------------------------------------------------------------------------------
 def detections(outputs: dict[str, torch.Tensor], conf_thres: float, iou_thres: float, no_nms: bool,
-               max_det: int = 300) -> list[torch.Tensor]:
-    """Per image (n, 6) tensors [x1, y1, x2, y2, conf, cls] in network-input pixels."""
+               max_det: int = 300, nm: int = 0) -> list[torch.Tensor]:
+    """Per image (n, 6 + nm) tensors [x1, y1, x2, y2, conf, cls, nm mask coefficients] in network-input pixels."""
     if "num_dets" in outputs:  # EfficientNMS_TRT
         n, boxes, scores, classes = (outputs[k] for k in ("num_dets", "det_boxes", "det_scores", "det_classes"))
         return [torch.cat([boxes[i, :int(n[i])], scores[i, :int(n[i]), None], classes[i, :int(n[i]), None].float()], 1)
                 for i in range(len(n))]
     pred = next(iter(outputs.values()))
     if not no_nms:
-        return non_max_suppression(pred, conf_thres, iou_thres, multi_label=True, max_det=max_det)
+        return non_max_suppression(pred, conf_thres, iou_thres, multi_label=True, max_det=max_det, nm=nm)
     out = []
     for x in pred.transpose(1, 2):  # NMS-free: best class per anchor, confidence filter, top max_det
         conf, cls = x[:, 4:].max(1)
@@ -202,12 +228,19 @@ def _match(pred: torch.Tensor, labels: torch.Tensor, iouv: torch.Tensor) -> torc
 
 
 def evaluate_runner(runner, loader, nc: int, conf_thres: float, iou_thres: float, no_nms: bool,
-                    fixed_batch: int | None) -> tuple[dict, list]:
-    """Upstream val's metric loop over any runner. Returns metrics and COCO-json style predictions."""
+                    fixed_batch: int | None, task: str = "detect") -> tuple[dict, list]:
+    """Upstream val's metric loop over any runner; for segmentation also upstream segment/val.py's mask
+    assembly and matching (instance masks overlapped into one per image, at the prototypes' resolution).
+    Returns metrics and COCO-json style box predictions."""
+    segment = task == "segment"
+    if segment:
+        from segment.val import process_batch as match_masks
+        from utils.segment.general import process_mask
     iouv = torch.linspace(0.5, 0.95, 10)
     stats, jdict = [], []
     seen, t_infer = 0, 0.0
-    for im, targets, paths, shapes in tqdm(loader, desc=f"{PREFIX}evaluating", bar_format=TQDM_BAR_FORMAT):
+    for batch in tqdm(loader, desc=f"{PREFIX}evaluating", bar_format=TQDM_BAR_FORMAT):
+        im, targets, paths, shapes = batch[:4]
         images = im.float() / 255
         nb, _, height, width = images.shape
         if fixed_batch and nb < fixed_batch:  # a static engine takes full batches only
@@ -215,37 +248,51 @@ def evaluate_runner(runner, loader, nc: int, conf_thres: float, iou_thres: float
         t0 = time.perf_counter()
         outputs = runner(images)
         t_infer += time.perf_counter() - t0
-        preds = detections({k: v[:nb] for k, v in outputs.items()}, conf_thres, iou_thres, no_nms)
+        outputs = {k: v[:nb] for k, v in outputs.items()}
+        protos = outputs.pop(next(n for n, v in outputs.items() if v.dim() == 4)) if segment else None  # by shape
+        preds = detections(outputs, conf_thres, iou_thres, no_nms, nm=0 if protos is None else protos.shape[1])
         targets[:, 2:] *= torch.tensor((width, height, width, height))
         for si, pred in enumerate(preds):
             labels = targets[targets[:, 0] == si, 1:]
             seen += 1
-            correct = torch.zeros(len(pred), len(iouv), dtype=torch.bool)
+            correct = correct_masks = torch.zeros(len(pred), len(iouv), dtype=torch.bool)
             if len(pred) == 0:
                 if len(labels):
-                    stats.append((correct, torch.zeros(0), torch.zeros(0), labels[:, 0]))
+                    stats.append((correct, correct_masks, torch.zeros(0), torch.zeros(0), labels[:, 0]))
                 continue
             predn = pred.clone()
             scale_boxes(images[si].shape[1:], predn[:, :4], shapes[si][0], shapes[si][1])
             if len(labels):
                 tbox = xywh2xyxy(labels[:, 1:5])
                 scale_boxes(images[si].shape[1:], tbox, shapes[si][0], shapes[si][1])
-                correct = _match(predn, torch.cat((labels[:, 0:1], tbox), 1), iouv)
-            stats.append((correct, pred[:, 4], pred[:, 5], labels[:, 0]))
+                labelsn = torch.cat((labels[:, 0:1], tbox), 1)
+                correct = _match(predn, labelsn, iouv)
+                if segment:
+                    pred_masks = process_mask(protos[si], pred[:, 6:], pred[:, :4], shape=images[si].shape[1:])
+                    correct_masks = match_masks(predn, labelsn, iouv, pred_masks, batch[4][[si]].float(),
+                                                overlap=True, masks=True)
+            stats.append((correct, correct_masks, pred[:, 4], pred[:, 5], labels[:, 0]))
             stem = Path(paths[si]).stem
             for p in predn.tolist():
                 jdict.append({"image_id": int(stem) if stem.isnumeric() else stem, "category_id": int(p[5]),
                               "bbox": [round(p[0], 3), round(p[1], 3), round(p[2] - p[0], 3), round(p[3] - p[1], 3)],
                               "score": round(p[4], 5)})
     stats = [torch.cat(x, 0).numpy() for x in zip(*stats)] if stats else []
-    mp = mr = map50 = map_ = 0.0
-    if len(stats) and stats[0].any():
-        _, _, p, r, _, ap, _ = ap_per_class(*stats, plot=False, names={i: str(i) for i in range(nc)})
-        mp, mr, map50, map_ = p.mean(), r.mean(), ap[:, 0].mean(), ap.mean(1).mean()
-    metrics = {"ap": round(float(map_), 5), "ap50": round(float(map50), 5), "precision": round(float(mp), 5),
-               "recall": round(float(mr), 5), "images": seen,
-               "ms_per_image": round(1000 * t_infer / max(seen, 1), 3)}
+    metrics = _summary(stats, 0, nc, "")
+    if segment:
+        metrics.update(_summary(stats, 1, nc, "mask_"))
+    metrics.update({"images": seen, "ms_per_image": round(1000 * t_infer / max(seen, 1), 3)})
     return metrics, jdict
+
+
+def _summary(stats: list, column: int, nc: int, prefix: str) -> dict:
+    """Mean P, R, mAP50, mAP50-95 of the true-positive column `column` (0: boxes, 1: masks) of `stats`."""
+    mp = mr = map50 = map_ = 0.0
+    if len(stats) and stats[column].any():
+        _, _, p, r, _, ap, _ = ap_per_class(stats[column], *stats[2:], plot=False, names={i: str(i) for i in range(nc)})
+        mp, mr, map50, map_ = p.mean(), r.mean(), ap[:, 0].mean(), ap.mean(1).mean()
+    return {f"{prefix}ap": round(float(map_), 5), f"{prefix}ap50": round(float(map50), 5),
+            f"{prefix}precision": round(float(mp), 5), f"{prefix}recall": round(float(mr), 5)}
 
 
 def coco_eval(jdict: list, data_dict: dict) -> dict | None:
@@ -268,11 +315,14 @@ def coco_eval(jdict: list, data_dict: dict) -> dict | None:
 
 
 def run(engine_file, onnx_file, weights, data, imgsz, batch_size, conf_thres, iou_thres, backend, no_nms, device,
-        workers, project, name, exist_ok, trust_checkpoint=False, **_) -> dict:
+        workers, project, name, exist_ok, trust_checkpoint=False, task=None, **_) -> dict:
     data_dict = load_data(data)
     runner = make_runner(backend, engine_file, onnx_file, weights, device, trust_checkpoint)
     model_file = engine_file or onnx_file or weights
-    check_outputs(runner, int(data_dict["nc"]), model_file)
+    task = task or model_task(runner)
+    check_outputs(runner, int(data_dict["nc"]), model_file, task)
+    if task == "segment" and no_nms:
+        raise ValueError("--no-nms: segmentation models are evaluated with NMS (their masks follow the kept boxes)")
     fixed = runner.input_shape
     if fixed[2] is not None and (fixed[2], fixed[3]) != (imgsz, imgsz):
         raise ValueError(f"the model's input is {fixed[2]}x{fixed[3]} but --imgsz is {imgsz}")
@@ -282,10 +332,10 @@ def run(engine_file, onnx_file, weights, data, imgsz, batch_size, conf_thres, io
     max_batch = getattr(runner, "max_shape", [None])[0]
     if max_batch and batch_size > max_batch:
         raise ValueError(f"--batch-size {batch_size} exceeds the engine's largest batch {max_batch}")
-    loader, _ = create_dataloader(data_dict["val"], imgsz, batch_size, 32, pad=0.5, rect=False, workers=workers,
-                                  prefix=colorstr("val: "))
-    metrics, jdict = evaluate_runner(runner, loader, int(data_dict["nc"]), conf_thres, iou_thres, no_nms, fixed_batch)
-    result = {"backend": backend, "model": str(model_file), "data": str(data), "imgsz": imgsz,
+    loader = _val_loader(task, data_dict, imgsz, batch_size, workers)
+    metrics, jdict = evaluate_runner(runner, loader, int(data_dict["nc"]), conf_thres, iou_thres, no_nms, fixed_batch,
+                                     task)
+    result = {"backend": backend, "model": str(model_file), "data": str(data), "task": task, "imgsz": imgsz,
               "batch_size": batch_size, **metrics}
     coco = coco_eval(jdict, data_dict)
     if coco:
@@ -297,6 +347,17 @@ def run(engine_file, onnx_file, weights, data, imgsz, batch_size, conf_thres, io
     save_dir.mkdir(parents=True, exist_ok=True)
     write_json(save_dir / "val_trt.json", result)
     return result
+
+
+def _val_loader(task: str, data_dict: dict, imgsz: int, batch_size: int, workers: int):
+    """Square letterboxed validation batches; segmentation batches carry the instance masks."""
+    kwargs = dict(pad=0.5, rect=False, workers=workers, prefix=colorstr("val: "))
+    if task == "segment":
+        from utils.qat_utils import MASK_DOWNSAMPLE
+        from utils.segment.dataloaders import create_dataloader as create_segment_dataloader
+        return create_segment_dataloader(data_dict["val"], imgsz, batch_size, 32, overlap_mask=True,
+                                         mask_downsample_ratio=MASK_DOWNSAMPLE, **kwargs)[0]
+    return create_dataloader(data_dict["val"], imgsz, batch_size, 32, **kwargs)[0]
 
 
 def parse_opt(argv=None):
@@ -314,6 +375,8 @@ def parse_opt(argv=None):
                    help="tensorrt (with --engine-file), onnxruntime (with --onnx-file) or pytorch (with --weights)")
     p.add_argument("--trust-checkpoint", action="store_true", help="unpickle --weights fully (can run code)")
     p.add_argument("--no-nms", action="store_true", help="NMS-free model: no NMS on its outputs")
+    p.add_argument("--task", choices=TASKS, default=None,
+                   help="what the model predicts (default: from its outputs; a prototype output means segment)")
     p.add_argument("--device", default="cuda:0", help="CUDA device for TensorRT")
     p.add_argument("--workers", type=int, default=8, help="dataloader workers")
     p.add_argument("--project", default=str(ROOT / "runs/val_trt"), help="save to project/name")

@@ -131,9 +131,9 @@ def load_float_model(weights: str | Path, device: torch.device | str = "cpu", tr
     if head.startswith(("Dual", "Triple")):
         raise ValueError(f"--weights {weights}: {head} head found: these are training weights with the auxiliary "
                          "branch; convert them first with reparameterization.py")
-    if "Segment" in head or "Panoptic" in head:
-        raise ValueError(f"--weights {weights}: {head} head: segmentation models are not supported by QAT yet "
-                         "(detection only)")
+    if "Panoptic" in head:
+        raise ValueError(f"--weights {weights}: {head} head: panoptic models are not supported (detection and "
+                         "instance segmentation are)")
     model.fuse()
     return model.to(device).eval()
 

@@ -37,6 +37,12 @@ def load_for_export(weights: str | Path, device: str | torch.device = "cpu", inp
     return model
 
 
+def output_names(model: nn.Module) -> tuple[str, ...]:
+    """Detection: predictions [B, 4 + nc, anchors]; segmentation: predictions with the mask coefficients
+    [B, 4 + nc + nm, anchors] and the prototypes [B, nm, H/4, W/4]."""
+    return ("output0", "output1") if hasattr(model.model[-1], "proto") else ("output0",)
+
+
 def class_names(model: nn.Module) -> list[str]:
     names = getattr(model, "names", None)
     if isinstance(names, dict):
@@ -196,24 +202,28 @@ def _match_fraction(a: list[torch.Tensor], b: list[torch.Tensor], iou: float = 0
 
 def verify_parity(model: nn.Module, onnx_path: str | Path, images: list[torch.Tensor],
                   conf_thres: float = 0.25, iou_thres: float = 0.45) -> dict:
-    """Compare the ONNX (run by ONNX Runtime) with the PyTorch model on real images."""
+    """Compare the ONNX (run by ONNX Runtime) with the PyTorch model on real images: every output (a segmentation
+    model's prototypes too), and the top detections after NMS."""
     from utils.general import non_max_suppression
     from utils.onnx_utils import detect_export_mode
     sess = ort_session(onnx_path)
     inp = sess.get_inputs()[0]
     input_name, input_dtype = inp.name, np.float16 if inp.type == "tensor(float16)" else np.float32
+    nm = int(getattr(model.model[-1], "nm", 0)) if hasattr(model.model[-1], "proto") else 0
     max_abs, max_rel, top_match = 0.0, 0.0, []
     t0 = time.perf_counter()
     for im in images:
         with torch.no_grad(), detect_export_mode(model):
-            ref = model(im.to(next(model.parameters()).device)).float().cpu()
-        got = torch.from_numpy(sess.run(None, {input_name: im.cpu().numpy().astype(input_dtype)})[0]).float()
-        diff = (got - ref).abs()
-        max_abs = max(max_abs, float(diff.max()))
-        max_rel = max(max_rel, float(diff.norm() / ref.norm().clamp_min(1e-12)))
-        det_ref = non_max_suppression(ref, conf_thres, iou_thres)
-        det_got = non_max_suppression(got, conf_thres, iou_thres)
+            ref = model(im.to(next(model.parameters()).device))
+        refs = [t.float().cpu() for t in (ref if isinstance(ref, (list, tuple)) else [ref])]
+        gots = [torch.from_numpy(o).float() for o in sess.run(None, {input_name: im.cpu().numpy().astype(input_dtype)})]
+        for got, r in zip(gots, refs):
+            diff = (got - r).abs()
+            max_abs = max(max_abs, float(diff.max()))
+            max_rel = max(max_rel, float(diff.norm() / r.norm().clamp_min(1e-12)))
+        det_ref = non_max_suppression(refs[0], conf_thres, iou_thres, nm=nm)
+        det_got = non_max_suppression(gots[0], conf_thres, iou_thres, nm=nm)
         top_match.append(_match_fraction(det_ref, det_got))
-    return {"images": sum(len(im) for im in images), "max_abs_err": max_abs, "rel_err": max_rel,
+    return {"images": sum(len(im) for im in images), "outputs": len(refs), "max_abs_err": max_abs, "rel_err": max_rel,
             "top_detections_identical": float(np.mean(top_match)) if top_match else 1.0,
             "seconds": round(time.perf_counter() - t0, 2)}

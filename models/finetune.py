@@ -88,12 +88,22 @@ def lr_at(step: int, total: int, epochs: int, recipe: QATRecipe) -> float:
 # Losses
 # --------------------------------------------------------------------------------------------------
 def feature_maps(out) -> list[torch.Tensor]:
-    """A layer's output as a list of tensors (detection heads return (decoded, raw maps) in eval mode)."""
+    """A layer's output as a list of tensors; a head's as what training mode returns (raw per-level maps, then
+    the mask coefficients and prototypes of a segmentation head), whichever mode produced it."""
+    maps, coef, proto = split_head_output(out)
+    return maps + [t for t in (coef, proto) if t is not None]
+
+
+def split_head_output(out) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+    """(raw per-level maps, mask coefficients (B, nm, A), prototypes (B, nm, H, W)) of a detection or segmentation
+    head's output in train or eval mode; the mask parts are None for detection (and any other layer)."""
     if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)) and len(out) == 2 and isinstance(out[1], (list, tuple)):
-        return list(out[1])
-    return [t for t in out if isinstance(t, torch.Tensor)]
+        return [out], None, None
+    if len(out) == 2 and isinstance(out[1], (list, tuple)):
+        out = out[1]  # eval mode: (decoded predictions, what training mode returns)
+    if len(out) == 3 and isinstance(out[0], (list, tuple)):
+        return list(out[0]), out[1], out[2]
+    return [t for t in out if isinstance(t, torch.Tensor)], None, None
 
 
 def head_distill_loss(student: list[torch.Tensor], teacher: list[torch.Tensor], nc: int, reg_max: int
@@ -107,8 +117,16 @@ def head_distill_loss(student: list[torch.Tensor], teacher: list[torch.Tensor], 
       weighted by the teacher's highest class probability, so boxes count where the teacher sees objects.
     Both are normalised by the summed weights, as upstream's loss is by its target scores.
     """
+    loss, weight_sum, _ = _head_terms(student, teacher, nc, reg_max)
+    return loss / weight_sum.clamp_min(1.0)
+
+
+def _head_terms(student: list[torch.Tensor], teacher: list[torch.Tensor], nc: int, reg_max: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """head_distill_loss's summed class and box terms, the sum of its weights, and the weights (B, A)."""
     cls_loss = box_loss = 0.0
     weight_sum = 0.0
+    weights = []
     for s, t in zip(student, teacher):
         b = s.shape[0]
         s, t = s.float().flatten(2), t.float().flatten(2)  # (B, C, A)
@@ -123,7 +141,28 @@ def head_distill_loss(student: list[torch.Tensor], teacher: list[torch.Tensor], 
         kl = (t_dist * (t_dist.clamp_min(1e-9).log() - s_logp)).sum((1, 2))  # (B, A)
         box_loss = box_loss + (kl * weight).sum()
         weight_sum = weight_sum + weight.sum()
-    return (cls_loss + box_loss) / weight_sum.clamp_min(1.0)
+        weights.append(weight)
+    return cls_loss + box_loss, weight_sum, torch.cat(weights, 1)
+
+
+def mask_distill_loss(s_coef: torch.Tensor, t_coef: torch.Tensor, s_proto: torch.Tensor, t_proto: torch.Tensor,
+                      weight: torch.Tensor, top_k: int = 32) -> torch.Tensor:
+    """Distillation on the masks a segmentation head outputs: for the `top_k` anchors per image where the teacher
+    is most confident, the student's mask logits (its coefficients times its prototypes) against the teacher's
+    mask probabilities, binary cross-entropy minus the teacher's entropy, weighted by that confidence. The masks
+    themselves, not coefficients and prototypes apart: either can drift wherever the product stays the same."""
+    k = min(top_k, weight.shape[1])
+    conf, idx = weight.topk(k, dim=1)  # (B, k)
+
+    def masks(coef, proto):
+        picked = coef.float().gather(2, idx.unsqueeze(1).expand(-1, coef.shape[1], -1))  # (B, nm, k)
+        return torch.einsum("bnk,bnhw->bkhw", picked, proto.float())
+
+    s_logit, t_logit = masks(s_coef, s_proto), masks(t_coef, t_proto)
+    t_prob = t_logit.sigmoid()
+    bce = (F.binary_cross_entropy_with_logits(s_logit, t_prob, reduction="none")
+           - F.binary_cross_entropy_with_logits(t_logit, t_prob, reduction="none")).mean((2, 3))  # (B, k)
+    return (bce * conf).sum() / conf.sum().clamp_min(1e-6)
 
 
 def supervised_layers(n_layers: int, stride: int) -> list[int]:
@@ -142,7 +181,7 @@ class LayerTap:
 
     def _hook(self, i):
         def record(_module, _inputs, out):
-            self.outputs[i] = feature_maps(out)
+            self.outputs[i] = out
         return record
 
     def remove(self):
@@ -151,9 +190,11 @@ class LayerTap:
 
 
 class QATObjective:
-    """The loss of a recipe: distillation from the float teacher and/or upstream's detection loss on labels.
+    """The loss of a recipe: distillation from the float teacher and/or upstream's detection (segmentation) loss
+    on labels. Segmentation heads distil their masks too (`mask_distill_loss`).
 
-    Call with a batch (images 0-1, upstream targets); returns the total loss and its parts (floats).
+    Call with a batch (images 0-1, upstream targets, instance masks for segmentation); returns the total loss
+    and its parts (floats).
     Use as a context manager: the layer hooks are removed on exit.
     """
 
@@ -164,13 +205,18 @@ class QATObjective:
         n = len(student.model)
         self.layers = supervised_layers(n, recipe.supervision_stride) if recipe.distill == "layers" else [n - 1]
         self.s_tap, self.t_tap = LayerTap(student, self.layers), LayerTap(teacher, self.layers)
+        self.segment = hasattr(head, "proto")
         self.det_loss = None
         if recipe.det_loss > 0:
-            from utils.loss_tal import ComputeLoss
             if hyp is None:
                 raise ValueError("--det-loss needs the training hyperparameters (--hyp)")
             student.hyp = hyp  # upstream's loss reads its class-loss settings from model.hyp
-            self.det_loss = ComputeLoss(student)
+            if self.segment:  # box, class, DFL and mask loss, overlapping masks as the loaders give them
+                from utils.segment.loss_tal import ComputeLoss as SegmentLoss
+                self.det_loss = SegmentLoss(student, overlap=True)
+            else:
+                from utils.loss_tal import ComputeLoss
+                self.det_loss = ComputeLoss(student)
 
     def __enter__(self):
         return self
@@ -179,7 +225,8 @@ class QATObjective:
         self.s_tap.remove()
         self.t_tap.remove()
 
-    def __call__(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(self, images: torch.Tensor, targets: torch.Tensor, masks: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
         recipe = self.recipe
         with torch.no_grad():
             self.teacher(images)
@@ -187,14 +234,24 @@ class QATObjective:
         parts, total = {}, images.new_zeros(())
         if recipe.distill == "layers":
             loss = sum(F.mse_loss(s.float(), t.float()) for i in self.layers
-                       for s, t in zip(self.s_tap.outputs[i], self.t_tap.outputs[i]))
+                       for s, t in zip(feature_maps(self.s_tap.outputs[i]), feature_maps(self.t_tap.outputs[i])))
             parts["distill"], total = float(loss.detach()), total + loss
         elif recipe.distill == "head":
             head = self.layers[-1]
-            loss = head_distill_loss(self.s_tap.outputs[head], self.t_tap.outputs[head], self.nc, self.reg_max)
+            (s_maps, s_coef, s_proto), (t_maps, t_coef, t_proto) = (split_head_output(tap.outputs[head])
+                                                                    for tap in (self.s_tap, self.t_tap))
+            loss, weight_sum, weights = _head_terms(s_maps, t_maps, self.nc, self.reg_max)
+            loss = loss / weight_sum.clamp_min(1.0)
+            if s_coef is not None:
+                mask_loss = mask_distill_loss(s_coef, t_coef, s_proto, t_proto, weights)
+                parts["distill_mask"], loss = float(mask_loss.detach()), loss + mask_loss
             parts["distill"], total = float(loss.detach()), total + loss
         if self.det_loss is not None:
-            loss, items = self.det_loss(feature_maps(preds), targets.to(images.device))
+            targets = targets.to(images.device)
+            if self.segment:
+                loss, _ = self.det_loss(preds, targets, masks.to(images.device).float())
+            else:
+                loss, _ = self.det_loss(feature_maps(preds), targets)
             loss = loss / images.shape[0]  # upstream scales by the batch size; per image here
             parts["det"], total = float(loss.detach()), total + recipe.det_loss * loss
         return total, parts
@@ -246,7 +303,7 @@ def optimizer_for(model: nn.Module, recipe: QATRecipe) -> torch.optim.Optimizer:
     return torch.optim.Adam(unique, lr=recipe.lr)
 
 
-def finetune_epoch(objective: QATObjective, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+def finetune_epoch(objective: QATObjective, batches: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
                    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, ema: WeightEMA | None,
                    step: int, total: int, epochs: int, iters: int, desc: str) -> tuple[dict[str, float], int]:
     """One QAT epoch of `iters` iterations starting at global iteration `step`. Returns mean losses and the
@@ -258,12 +315,12 @@ def finetune_epoch(objective: QATObjective, batches: Iterator[tuple[torch.Tensor
     sums: dict[str, float] = {}
     n = 0
     pbar = tqdm(batches, total=iters, desc=desc, bar_format=TQDM_BAR_FORMAT)
-    for images, targets in pbar:
+    for images, targets, masks in pbar:
         lr = lr_at(step, total, epochs, recipe)
         for group in optimizer.param_groups:
             group["lr"] = lr
         with autocast:
-            loss, parts = objective(images, targets)
+            loss, parts = objective(images, targets, masks)
         optimizer.zero_grad(set_to_none=True)
         if scaler is not None:
             scaler.scale(loss).backward()

@@ -1,4 +1,4 @@
-"""INT8 quantization of YOLOv9 / GELAN detection models for TensorRT (explicit Q/DQ).
+"""INT8 quantization of YOLOv9 / GELAN detection and segmentation models for TensorRT (explicit Q/DQ).
 
 The one place that owns quantization: which modules get quantizers (a declarative `QuantRecipe`),
 the quantized module variants, calibration, checkpoints. The TensorRT scale-sharing rules are derived

@@ -300,10 +300,28 @@ def accuracy_table(entries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def segmentation_table(entries: list[dict]) -> str:
+    """Markdown: box and mask mAP50-95 per stage, and the deployed graph in ONNX Runtime next to PyTorch."""
+    lines = ["| Data | Model | FP32 box / mask | PTQ mse | QAT best (epoch) | ONNX Runtime | PyTorch, same loop |",
+             "|---|---|---|---|---|---|---|"]
+    pair = lambda m: f"{m['ap']:.4f} / {m['mask_ap']:.4f}"  # noqa: E731
+    for e in entries:
+        lines.append(f"| {e['data']} | {e['model']} ({e['train_epochs']} epochs) | {pair(e['fp'])} | "
+                     f"{pair(e['ptq']['mse'])} | {pair(e['qat'])} ({e['qat']['epoch']}) | {pair(e['ort']['qat'])} | "
+                     f"{pair(e['torch_square']['qat'])} |")
+    return "\n".join(lines)
+
+
 def merge(out: Path) -> dict:
+    """OUT/accuracy.json and .md from the detection entries (OUT/<dataset>/<model>/entry.json) and the
+    segmentation entries (OUT/segment/*.json, written from `qat.py quantize` and `val_trt.py` runs)."""
     entries = [json.loads(f.read_text()) for d in DATASETS for f in sorted((out / d).glob("*/entry.json"))]
     entries.sort(key=lambda e: (DATASETS.index(e["dataset"]), e["where"] == "cpu", e["model"]))
-    result = {"entries": entries, "table": accuracy_table(entries) if entries else ""}
+    segment = [json.loads(f.read_text()) for f in sorted((out / "segment").glob("*.json"))]
+    table = accuracy_table(entries) if entries else ""
+    if segment:
+        table += "\n\nSegmentation (mAP50-95, box / mask):\n\n" + segmentation_table(segment)
+    result = {"entries": entries, "segment": segment, "table": table}
     write_json(out / "accuracy.json", result)
     atomic_write(out / "accuracy.md", lambda tmp: Path(tmp).write_text(result["table"] + "\n"))
     return result

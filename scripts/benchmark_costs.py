@@ -29,7 +29,7 @@ def _step_time(recipe, model, teacher, images, targets, hyp: dict, steps: int, a
     torch.cuda.reset_peak_memory_stats()
     with QATObjective(recipe, model, teacher, hyp) as objective:
         for i in range(steps + 3):
-            batch = iter([(images[i % len(images)], targets)])
+            batch = iter([(images[i % len(images)], targets, None)])
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             finetune_epoch(objective, batch, optimizer, scaler, ema, i, steps + 3, 1, 1, "")

@@ -91,7 +91,7 @@ def test_objective_with_detection_loss_trains_the_quantized_model(ptq_pair):
     optimizer = optimizer_for(model, recipe)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with QATObjective(recipe, model, teacher, _hyp()) as objective:
-        losses, step = finetune_epoch(objective, iter([(im, _targets()) for im in _images(3)]), optimizer, None,
+        losses, step = finetune_epoch(objective, iter([(im, _targets(), None) for im in _images(3)]), optimizer, None,
                                       None, 0, 3, 1, 3, "")
     assert step == 3 and {"distill", "det", "loss"} <= set(losses) and all(math.isfinite(v) for v in losses.values())
     changed = sum(not torch.equal(before[n], p) for n, p in model.named_parameters())
@@ -104,7 +104,7 @@ def test_lr_zero_changes_nothing(ptq_pair):
     recipe = RECIPES["reference"].with_overrides(lr=0.0)
     before = copy.deepcopy(model.state_dict())
     with QATObjective(recipe, model, teacher) as objective:
-        finetune_epoch(objective, iter([(im, _targets()) for im in _images(2)]), optimizer_for(model, recipe),
+        finetune_epoch(objective, iter([(im, _targets(), None) for im in _images(2)]), optimizer_for(model, recipe),
                        None, None, 0, 2, 1, 2, "")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -121,7 +121,7 @@ def test_learned_amax_gets_gradients_and_exports_one_scale_per_shared_group(ptq_
     recipe = RECIPES["default"].with_overrides(learn_amax=True, lr=1e-2)
     before = [float(p) for p in params]
     with QATObjective(recipe, model, teacher, _hyp()) as objective:
-        finetune_epoch(objective, iter([(im, _targets()) for im in _images(2)]), optimizer_for(model, recipe),
+        finetune_epoch(objective, iter([(im, _targets(), None) for im in _images(2)]), optimizer_for(model, recipe),
                        None, None, 0, 2, 1, 2, "")
     moved = sum(float(p) != b for p, b in zip(params, before))
     assert moved > 0.9 * len(params)

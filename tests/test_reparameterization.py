@@ -54,9 +54,19 @@ def test_segmentation_pair_equals_main_branch(tmp_path):
     assert summary["params_after"] < summary["params_before"]
     saved = torch.load(tmp_path / "seg.pt", weights_only=False)["model"]
     assert next(saved.parameters()).dtype == torch.float16 and list(saved.names) == list(train.names)
+    # what QAT takes: the converted model quantizes, its segmentation head included, under the derived sharing rules
+    from pytorch_quantization.nn import QuantConv2d
     from models.checkpoint import load_float_model
-    with pytest.raises(ValueError, match="segmentation models are not supported by QAT yet"):
-        load_float_model(tmp_path / "seg.pt")
+    from models.quantize import calibrate_model, quantize_model, quantizer_counts
+    from utils.onnx_utils import model_to_onnx, unshared_joins
+    model = quantize_model(load_float_model(tmp_path / "seg.pt"))
+    calibrate_model(model, [x], "max")
+    head = model.model[-1]
+    convs = [m for m in (*head.cv4.modules(), *head.proto.modules()) if isinstance(m, torch.nn.modules.conv._ConvNd)]
+    assert convs and all(isinstance(m, QuantConv2d) for m in convs)
+    print("yolov9-c-seg converted, quantizers:", quantizer_counts(model))
+    graph = model_to_onnx(model, 64).graph
+    assert len(graph.output) == 2 and unshared_joins(graph) == []
 
 
 @pytest.mark.parametrize("size", ["t", "c"])
