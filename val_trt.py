@@ -26,12 +26,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from utils.dataloaders import create_dataloader  # noqa: E402
 from utils.general import (LOGGER, TQDM_BAR_FORMAT, colorstr, increment_path, non_max_suppression,  # noqa: E402
                            scale_boxes, xywh2xyxy)
 from utils.io_utils import cli_main  # noqa: E402
 from utils.metrics import ap_per_class  # noqa: E402
-from utils.qat_utils import TASKS, load_data, metrics_table, write_json  # noqa: E402
+from utils.qat_utils import TASKS, load_data, metrics_table, task_dataloader, write_json  # noqa: E402
 
 PREFIX = colorstr("val_trt: ")
 BACKENDS = ("tensorrt", "onnxruntime", "pytorch")
@@ -351,13 +350,8 @@ def run(engine_file, onnx_file, weights, data, imgsz, batch_size, conf_thres, io
 
 def _val_loader(task: str, data_dict: dict, imgsz: int, batch_size: int, workers: int):
     """Square letterboxed validation batches; segmentation batches carry the instance masks."""
-    kwargs = dict(pad=0.5, rect=False, workers=workers, prefix=colorstr("val: "))
-    if task == "segment":
-        from utils.qat_utils import MASK_DOWNSAMPLE
-        from utils.segment.dataloaders import create_dataloader as create_segment_dataloader
-        return create_segment_dataloader(data_dict["val"], imgsz, batch_size, 32, overlap_mask=True,
-                                         mask_downsample_ratio=MASK_DOWNSAMPLE, **kwargs)[0]
-    return create_dataloader(data_dict["val"], imgsz, batch_size, 32, **kwargs)[0]
+    return task_dataloader(task, data_dict["val"], imgsz, batch_size, 32, pad=0.5, rect=False, workers=workers,
+                           prefix=colorstr("val: "))[0]
 
 
 def parse_opt(argv=None):

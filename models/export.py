@@ -18,6 +18,7 @@ from utils.general import LOGGER, colorstr
 from utils.io_utils import atomic_write
 from utils.onnx_fp16 import FP16_OPSET, to_fp16
 from utils.onnx_utils import export_onnx
+from utils.qat_utils import task_of
 from utils.qdq_lint import LintReport, lint
 
 PREFIX = colorstr("export: ")
@@ -40,7 +41,7 @@ def load_for_export(weights: str | Path, device: str | torch.device = "cpu", inp
 def output_names(model: nn.Module) -> tuple[str, ...]:
     """Detection: predictions [B, 4 + nc, anchors]; segmentation: predictions with the mask coefficients
     [B, 4 + nc + nm, anchors] and the prototypes [B, nm, H/4, W/4]."""
-    return ("output0", "output1") if hasattr(model.model[-1], "proto") else ("output0",)
+    return ("output0", "output1") if task_of(model) == "segment" else ("output0",)
 
 
 def class_names(model: nn.Module) -> list[str]:
@@ -209,7 +210,7 @@ def verify_parity(model: nn.Module, onnx_path: str | Path, images: list[torch.Te
     sess = ort_session(onnx_path)
     inp = sess.get_inputs()[0]
     input_name, input_dtype = inp.name, np.float16 if inp.type == "tensor(float16)" else np.float32
-    nm = int(getattr(model.model[-1], "nm", 0)) if hasattr(model.model[-1], "proto") else 0
+    nm = int(model.model[-1].nm) if task_of(model) == "segment" else 0
     max_abs, max_rel, top_match = 0.0, 0.0, []
     t0 = time.perf_counter()
     for im in images:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from models.quantize import learnable_amax_parameters
 from utils.general import TQDM_BAR_FORMAT
+from utils.qat_utils import task_of
 
 DISTILL_TARGETS = ("head", "layers", "none")
 LR_SCHEDULES = ("cosine", "step")
@@ -205,7 +206,7 @@ class QATObjective:
         n = len(student.model)
         self.layers = supervised_layers(n, recipe.supervision_stride) if recipe.distill == "layers" else [n - 1]
         self.s_tap, self.t_tap = LayerTap(student, self.layers), LayerTap(teacher, self.layers)
-        self.segment = hasattr(head, "proto")
+        self.segment = task_of(student) == "segment"
         self.det_loss = None
         if recipe.det_loss > 0:
             if hyp is None:

@@ -53,7 +53,7 @@ def load_hyp(hyp: str | Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def _dataloader(task: str, path, imgsz: int, batch_size: int, stride: int, **kwargs):
+def task_dataloader(task: str, path, imgsz: int, batch_size: int, stride: int, **kwargs):
     """Upstream's loader of the task: segmentation batches also carry the instance masks (overlapping
     instances in one mask per image, as upstream trains)."""
     if task == "segment":
@@ -67,8 +67,8 @@ def train_loader(data_dict: dict, imgsz: int, batch_size: int, stride: int, hyp:
                  augment: bool, task: str = "detect") -> torch.utils.data.DataLoader:
     """Shuffled training batches. A plain DataLoader (upstream's `close_mosaic` switch selects it; mosaic itself
     follows `hyp`): each pass re-draws its order from `loader.generator`, which `train_batches` seeds."""
-    loader, _ = _dataloader(task, data_dict["train"], imgsz, batch_size, stride, hyp=hyp, augment=augment,
-                            workers=workers, shuffle=True, close_mosaic=True, prefix=colorstr("train: "))
+    loader, _ = task_dataloader(task, data_dict["train"], imgsz, batch_size, stride, hyp=hyp, augment=augment,
+                                workers=workers, shuffle=True, close_mosaic=True, prefix=colorstr("train: "))
     return loader
 
 
@@ -91,8 +91,8 @@ def val_loader(data_dict: dict, imgsz: int, batch_size: int, stride: int, worker
     upstream's InfiniteDataLoader resumes where the last, partial pass stopped). Refuses a val set without
     images or without a single label (every metric would be 0 and a 'best' epoch picked on noise)."""
     try:
-        loader, dataset = _dataloader(task, data_dict["val"], imgsz, batch_size, stride, rect=True, pad=0.5,
-                                      workers=workers, close_mosaic=True, prefix=colorstr("val: "))
+        loader, dataset = task_dataloader(task, data_dict["val"], imgsz, batch_size, stride, rect=True, pad=0.5,
+                                          workers=workers, close_mosaic=True, prefix=colorstr("val: "))
     except Exception as e:  # upstream raises a bare Exception for an empty or unreadable image folder
         raise ValueError(f"--data {data}: val {data_dict['val']}: {e}".split("\n")[0]) from None
     if sum(len(labels) for labels in dataset.labels) == 0:
@@ -115,9 +115,8 @@ def _cycle(loader, n: int) -> Iterator:
 def train_batches(loader, device: torch.device, n: int, seed: int
                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """`n` batches of (images as float 0-1 on `device`, upstream targets, instance masks or None for detection
-    data), in an order and with augmentations
-    that depend on `seed` only: an epoch seeded by (run seed, epoch) is the same whether or not the run was
-    interrupted and resumed before it."""
+    data), in an order and with augmentations that depend on `seed` only: an epoch seeded by (run seed, epoch)
+    is the same whether or not the run was interrupted and resumed before it."""
     init_seeds(seed, deterministic=False)  # augmentations drawn in this process (workers=0)
     generator = getattr(loader, "generator", None)
     if generator is not None:  # shuffling and the workers' seeds
