@@ -160,12 +160,12 @@ def benchmark_model(name: str, weights: Path, data: str, dataset: str, imgsz: in
             lambda m: qat_run([*common, *CALIBRATIONS[m], "--epochs", "0",
                                *([] if m == "max" else ["--no-eval-origin"])], root / f"ptq-{m}"), CALIBRATIONS)))
     best_method = max(ptq, key=lambda m: ptq[m]["ptq"]["ap"])
-    # Model Optimizer calibrates on the CPU (ONNX Runtime): it runs beside QAT, which holds the GPU
-    peer_pool = ThreadPoolExecutor(1)
-    peer = peer_pool.submit(modelopt_peer, weights, data, imgsz, root, calib_images) if modelopt else None
     qat_args = qat_args() if callable(qat_args) else qat_args
-    qat = qat_run([*common, *CALIBRATIONS[best_method], "--epochs", str(qat_epochs), "--iters", str(iters),
-                   "--no-eval-origin", *qat_args], root / "qat")
+    # Model Optimizer calibrates on the CPU (ONNX Runtime): it runs beside QAT, which holds the GPU
+    with ThreadPoolExecutor(1) as peer_pool:
+        peer = peer_pool.submit(modelopt_peer, weights, data, imgsz, root, calib_images) if modelopt else None
+        qat = qat_run([*common, *CALIBRATIONS[best_method], "--epochs", str(qat_epochs), "--iters", str(iters),
+                       "--no-eval-origin", *qat_args], root / "qat")
     entry = {"model": name, "dataset": dataset, "data": data, "weights": str(weights), "imgsz": imgsz,
              "train_epochs": train_epochs, "where": _gpu_name(device), "fp": ptq["max"]["origin"],
              "ptq": {m: {**r["ptq"], "calib_s": r["timing"]["calib_collect_s"] + r["timing"]["calib_amax_s"]}
@@ -186,7 +186,6 @@ def benchmark_model(name: str, weights: Path, data: str, dataset: str, imgsz: in
     entry["lint"] = {k: lint_summary(f) for k, f in onnx_files.items() if k in ("qat", "qat-fp16", f"ptq-{best_method}")}
     if peer is not None:
         entry["modelopt"] = peer.result()
-    peer_pool.shutdown()
     write_json(root / "entry.json", entry)
     return entry
 
