@@ -39,4 +39,10 @@ while IFS= read -r rel; do
   echo "  copied  $rel"
   copied=$((copied + 1))
 done < <(ls -1 *.py models/*.py utils/*.py scripts/*.sh scripts/*.py 2>/dev/null | grep -v '^scripts/get_yolov9.sh$\|^scripts/demo.sh$')
+# Which overlay commit this checkout carries (results record it; utils/provenance.py reads it)
+commit="${YOLOV9_QAT_COMMIT:-$(git -C "$HERE" rev-parse HEAD 2>/dev/null || echo unknown)}"
+if [ -z "${YOLOV9_QAT_COMMIT:-}" ] && [ -n "$(git -C "$HERE" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+  commit="$commit-dirty"
+fi
+echo "$commit" > "$DIR/.yolov9_qat_commit"
 echo "patch_yolov9: $copied file(s) copied, $unchanged already up to date, into $DIR"

@@ -1,0 +1,154 @@
+"""A selection split carved from the training images, and dataset fingerprints.
+
+Every choice a benchmark makes (calibration method, best QAT epoch, recipe, the peer's method) is made on a
+`select` split: a fixed, seeded fraction of the training images that calibration, QAT and float training never
+see. The reported val split is only measured. Membership depends on the file names and the seed alone (a hash
+rank), so every machine carves the same split from the same folder, whatever its listing order.
+
+    python -m utils.datasplit DATA.yaml --out DIR [--fraction 0.12] [--seed 0]
+
+writes DIR/fit.txt and DIR/select.txt (absolute image paths) and DIR/split.yaml: `train` = fit, `val` = select,
+`test` = the original val, plus the fingerprints of the three (md5 over names, image bytes and label bytes).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+IMAGE_SUFFIXES = {".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp", ".pfm"}
+DEFAULT_FRACTION = 0.12
+DEFAULT_SEED = 0
+
+
+@dataclass(frozen=True)
+class Split:
+    fit: tuple[Path, ...]
+    select: tuple[Path, ...]
+
+
+def read_data_yaml(data: str | Path) -> dict:
+    """The data yaml with `train`/`val`/`test` resolved to absolute paths (a relative `path:` is taken
+    against the yaml's own folder, not a checkout's)."""
+    data = Path(data)
+    if not data.is_file():
+        raise FileNotFoundError(f"--data {data}: file not found")
+    d = yaml.safe_load(data.read_text()) or {}
+    missing = [k for k in ("train", "val", "names") if k not in d]
+    if missing:
+        raise ValueError(f"--data {data}: no {', '.join(missing)} key")
+    root = Path(d.get("path") or ".")
+    root = (root if root.is_absolute() else data.parent / root).resolve()
+    for key in ("train", "val", "test"):
+        if d.get(key):
+            d[key] = [str(_absolute(root, p)) for p in d[key]] if isinstance(d[key], list) else str(_absolute(root, d[key]))
+    d["path"] = str(root)
+    return d
+
+
+def _absolute(root: Path, p: str) -> Path:
+    p = Path(p)
+    return p if p.is_absolute() else root / p
+
+
+def image_files(source: str | Path | list) -> list[Path]:
+    """Images of an upstream `train`/`val` entry: folders (recursively), .txt lists, or lists of either."""
+    if isinstance(source, (list, tuple)):
+        return sorted({f for s in source for f in image_files(s)})
+    source = Path(source)
+    if source.is_dir():
+        return sorted(f for f in source.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+    if source.is_file() and source.suffix == ".txt":
+        lines = [ln.strip() for ln in source.read_text().splitlines() if ln.strip()]
+        return sorted(_absolute(source.parent, ln) for ln in lines)
+    raise FileNotFoundError(f"{source}: neither an image folder nor a .txt list of images")
+
+
+def label_file(image: Path) -> Path:
+    """Upstream's label path for an image: the last /images/ of the path becomes /labels/, suffix .txt."""
+    parts = str(image).rsplit(f"{os.sep}images{os.sep}", 1)
+    return Path(f"{os.sep}labels{os.sep}".join(parts)).with_suffix(".txt")
+
+
+def carve(images: list[Path], fraction: float = DEFAULT_FRACTION, seed: int = DEFAULT_SEED) -> Split:
+    """`fraction` of `images` (rounded, at least one) into `select`, chosen by a seeded hash of each file name."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"--fraction {fraction}: must be between 0 and 1")
+    if len(images) < 2:
+        raise ValueError(f"{len(images)} training image(s): too few to carve a selection split from")
+    rank = sorted(images, key=lambda f: hashlib.sha256(f"{seed}:{f.name}".encode()).hexdigest())
+    n = max(1, round(fraction * len(images)))
+    select = set(rank[:n])
+    return Split(fit=tuple(f for f in images if f not in select), select=tuple(sorted(select)))
+
+
+def fingerprint(images: list[Path] | tuple[Path, ...]) -> str:
+    """md5 over the sorted file names, image bytes and label bytes (a missing label file counts as empty)."""
+    md5 = hashlib.md5()
+    for f in sorted(images, key=lambda p: p.name):
+        md5.update(f.name.encode())
+        md5.update(f.read_bytes())
+        lbl = label_file(f)
+        md5.update(lbl.read_bytes() if lbl.is_file() else b"")
+    return md5.hexdigest()
+
+
+def write_split(data: str | Path, out: str | Path, fraction: float = DEFAULT_FRACTION,
+                seed: int = DEFAULT_SEED) -> Path:
+    """Write OUT/fit.txt, OUT/select.txt and OUT/split.yaml (see the module doc); returns the yaml's path.
+    Idempotent: an existing split of the same data, fraction and seed is kept, any other is refused."""
+    d = read_data_yaml(data)
+    train, val = image_files(d["train"]), image_files(d["val"])
+    if set(train) & set(val):
+        raise ValueError(f"--data {data}: train and val share images; a selection split needs a separate val")
+    split = carve(train, fraction, seed)
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    fp = {"fit": fingerprint(split.fit), "select": fingerprint(split.select), "val": fingerprint(val)}
+    spec = {"path": str(out), "train": str(out / "fit.txt"), "val": str(out / "select.txt"), "test": d["val"],
+            "nc": d.get("nc", len(d["names"])), "names": d["names"],
+            "split": {"source": str(Path(data).resolve()), "fraction": fraction, "seed": seed,
+                      "images": {"fit": len(split.fit), "select": len(split.select), "val": len(val)},
+                      "fingerprint": fp}}
+    yaml_file = out / "split.yaml"
+    if yaml_file.is_file():
+        old = yaml.safe_load(yaml_file.read_text()).get("split", {})
+        if old.get("fingerprint") == fp and old.get("fraction") == fraction and old.get("seed") == seed:
+            return yaml_file
+        raise FileExistsError(f"{yaml_file} holds another split (fraction {old.get('fraction')}, seed "
+                              f"{old.get('seed')}); choose another --out")
+    from utils.io_utils import atomic_write
+    for name, files in (("fit.txt", split.fit), ("select.txt", split.select)):
+        atomic_write(out / name, lambda tmp, fs=files: Path(tmp).write_text("".join(f"{f}\n" for f in fs)))
+    atomic_write(yaml_file, lambda tmp: Path(tmp).write_text(yaml.safe_dump(spec, sort_keys=False)))
+    return yaml_file
+
+
+def parse_opt(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data", help="dataset.yaml with train and val")
+    p.add_argument("--out", required=True, help="folder for fit.txt, select.txt and split.yaml")
+    p.add_argument("--fraction", type=float, default=DEFAULT_FRACTION, help="share of the training images held out")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    opt = parse_opt(argv)
+    try:
+        path = write_split(opt.data, opt.out, opt.fraction, opt.seed)
+    except (OSError, ValueError) as e:
+        print(f"datasplit: error: {e}", file=sys.stderr)
+        return 2
+    info = yaml.safe_load(path.read_text())["split"]
+    print(f"datasplit: {path}: {info['images']}, fingerprints {info['fingerprint']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
