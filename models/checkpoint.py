@@ -34,10 +34,12 @@ _CALIBRATOR_PACKAGES = ("pytorch_quantization.calib", "models.calibrate")
 
 
 def _numpy_values() -> list:
-    """What upstream's unstripped checkpoints pickle for `best_fitness` (a numpy float64): data only."""
+    """What upstream's checkpoints pickle for `best_fitness` (a numpy float64, or a 1-element array in those saved
+    during training): data only; anything an array holds still passes the allow-list."""
     import numpy as np
     core = getattr(np, "_core", None) or np.core
-    return [core.multiarray.scalar, np.dtype, *(getattr(np.dtypes, n) for n in ("Float64DType", "Float32DType")
+    return [core.multiarray.scalar, core.multiarray._reconstruct, np.ndarray, np.dtype,
+            *(getattr(np.dtypes, n) for n in ("Float64DType", "Float32DType")
                                                 if hasattr(np, "dtypes") and hasattr(np.dtypes, n))]
 
 

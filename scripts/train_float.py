@@ -6,10 +6,12 @@ split (utils/datasplit.py), resumable across machine leases. The benchmark's flo
         --out results/helmet/gelan-s/float [--epochs 200 --patience 30 --imgsz 416 --batch 64]
     python scripts/train_float.py ... --collect       # write OUT from a run still in progress
 
-Run from the patched YOLOv9 checkout. A run that has weights/last.pt and no OUT/train.json continues with
-upstream's --resume. OUT gets results.csv (upstream's, per epoch: select-split metrics), curve.png and
-train.json (commit, command, split fingerprints, epochs, best epoch, whether the patience criterion stopped it,
-sha256 of best.pt).
+Run from the patched YOLOv9 checkout. A run that has weights/last.pt continues with upstream's --resume.
+OUT gets results.csv (upstream's, per epoch: select-split metrics), curve.png and train.json: what was run
+(upstream's opt.yaml, and the commit, command line, machine and split recorded when the run started), the
+best epoch, whether the patience criterion stopped it, and the sha256 of the weights. --weights-out also
+writes the best epoch's EMA weights in FP16 (what evaluation and quantization read; upstream's best.pt also
+holds the optimizer).
 """
 from __future__ import annotations
 
@@ -64,19 +66,48 @@ def plot_curve(curve: list[dict], conv: dict, title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def collect(opt, run_dir: Path, split_yaml: Path, finished: bool) -> dict:
+PROVENANCE = "yolov9_qat_provenance.json"  # written into the run folder when a run starts
+
+
+def record_start(run_dir: Path, split_yaml: Path) -> None:
+    """What the run was started with (kept across resumes: the first start is the one that counts)."""
     import yaml
+    path = run_dir / PROVENANCE
+    if not path.is_file():
+        start = {"commit": toolkit_commit(), "command": command_line(), "machine": machine(),
+                 "split": yaml.safe_load(split_yaml.read_text())["split"]}
+        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(start, indent=2) + "\n"))
+
+
+def compact_weights(best: Path, out: Path) -> Path:
+    """The EMA model of an upstream training checkpoint, FP16, without the optimizer."""
+    import torch
+    from models.checkpoint import read_checkpoint
+    ckpt = read_checkpoint(best, flag="best.pt")
+    model = (ckpt.get("ema") or ckpt["model"]).half()
+    return atomic_write(out, lambda tmp: torch.save({"model": model, "epoch": ckpt.get("epoch")}, tmp))
+
+
+def collect(run_dir: Path, out: Path, weights_out: Path | None) -> dict:
+    """OUT/results.csv, curve.png and train.json (and the FP16 EMA weights) from the run folder as it stands."""
+    import yaml
+    args = yaml.safe_load((run_dir / "opt.yaml").read_text())
     curve = read_curve(run_dir / "results.csv")
-    conv = convergence(curve, opt.patience)
-    out = Path(opt.out)
+    conv = convergence(curve, int(args["patience"]))
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "results.csv", lambda tmp: shutil.copyfile(run_dir / "results.csv", tmp))
-    plot_curve(curve, conv, f"{opt.name}: float training, early stopping on the select split", out / "curve.png")
+    plot_curve(curve, conv, f"{Path(args['cfg']).stem}: float training, select split", out / "curve.png")
     best = run_dir / "weights" / "best.pt"
-    entry = {"model": opt.name, "finished": finished, **conv, "patience": opt.patience, "max_epochs": opt.epochs,
-             "split": yaml.safe_load(split_yaml.read_text())["split"], "commit": toolkit_commit(),
-             "command": command_line(), "train_args": train_args(opt, split_yaml), "machine": machine(),
-             "best_pt_sha256": sha256(best) if best.is_file() else None}
+    if weights_out is not None:
+        compact_weights(best, weights_out)
+    entry = {"model": Path(args["cfg"]).stem, "finished": conv["converged"] or conv["epochs_run"] >= args["epochs"],
+             **conv, "patience": args["patience"], "max_epochs": args["epochs"],
+             "started": json.loads((run_dir / PROVENANCE).read_text()),
+             "upstream_args": {k: args[k] for k in ("cfg", "data", "hyp", "epochs", "batch_size", "imgsz", "seed",
+                                                    "close_mosaic", "cache", "workers", "optimizer") if k in args},
+             "weights": str(weights_out) if weights_out else None,
+             "weights_sha256": sha256(weights_out) if weights_out else None,
+             "collected": {"commit": toolkit_commit(), "command": command_line(), "machine": machine()}}
     atomic_write(out / "train.json", lambda tmp: Path(tmp).write_text(json.dumps(entry, indent=2) + "\n"))
     return entry
 
@@ -108,6 +139,7 @@ def parse_opt(argv=None):
     p.add_argument("--split-dir", default="runs/split", help="where fit.txt / select.txt / split.yaml go")
     p.add_argument("--fraction", type=float, default=DEFAULT_FRACTION)
     p.add_argument("--split-seed", type=int, default=DEFAULT_SEED)
+    p.add_argument("--weights-out", type=Path, help="also write the best epoch's EMA weights (FP16) here")
     p.add_argument("--collect", action="store_true", help="only write OUT from the run as it stands")
     return p.parse_args(argv)
 
@@ -120,19 +152,20 @@ def main(argv=None) -> int:
         print(f"train_float: error: {e}", file=sys.stderr)
         return 2
     run_dir = Path(opt.project) / opt.name
-    if opt.collect:
-        print(json.dumps(collect(opt, run_dir, split_yaml, finished=False), indent=2))
+    done = Path(opt.out) / "train.json"
+    if not opt.collect and done.is_file() and json.loads(done.read_text())["finished"]:
+        print(f"train_float: {done} says this training finished; nothing to do (--collect rewrites it)")
         return 0
-    last = run_dir / "weights" / "last.pt"
-    if (Path(opt.out) / "train.json").is_file() and json.loads((Path(opt.out) / "train.json").read_text())["finished"]:
-        print(f"train_float: {opt.out}/train.json says this training finished; nothing to do")
-        return 0
-    args = ["--resume", str(last)] if last.is_file() else train_args(opt, split_yaml)
-    r = subprocess.run([sys.executable, opt.train_script, *args])
-    if r.returncode:
-        print(f"train_float: error: {opt.train_script} exited with {r.returncode}", file=sys.stderr)
-        return r.returncode
-    entry = collect(opt, run_dir, split_yaml, finished=True)
+    if not opt.collect:
+        last = run_dir / "weights" / "last.pt"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        record_start(run_dir, split_yaml)
+        args = ["--resume", str(last)] if last.is_file() else train_args(opt, split_yaml)
+        r = subprocess.run([sys.executable, opt.train_script, *args])
+        if r.returncode:
+            print(f"train_float: error: {opt.train_script} exited with {r.returncode}", file=sys.stderr)
+            return r.returncode
+    entry = collect(run_dir, Path(opt.out), opt.weights_out)
     print(f"train_float: {opt.name}: {entry['epochs_run']} epochs, best {entry['best_select_map']:.4f} at epoch "
           f"{entry['best_epoch']}, {'converged' if entry['converged'] else 'NOT converged'} (patience {opt.patience})")
     return 0
