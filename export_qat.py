@@ -26,9 +26,10 @@ import torch  # noqa: E402
 from models.quantize import is_quantized  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import cli_main  # noqa: E402
-from utils.qat_utils import write_json  # noqa: E402
+from utils.io_utils import write_json  # noqa: E402
 from models.export import (PRECISIONS, PREFIX, add_efficient_nms, count_qdq, export_graph,  # noqa: E402
-                           load_for_export, output_names, report_lint, save_onnx, verify_parity)
+                           load_for_export, report_lint, save_onnx, verify_parity)
+from models.task import task_of  # noqa: E402
 from utils.torch_utils import select_device  # noqa: E402
 
 INCLUDE = ("onnx", "onnx_end2end")
@@ -41,7 +42,7 @@ def output_path(weights: Path, include: str) -> Path:
 def verification_images(data: str, imgsz: int, batch_size: int, n_batches: int) -> list[torch.Tensor]:
     """Letterboxed validation images, as float 0-1 batches of a fixed shape."""
     from utils.dataloaders import LoadImages
-    from utils.qat_utils import load_data
+    from utils.batches import load_data
     data_dict = load_data(data)
     val = data_dict["val"]
     files = LoadImages(val[0] if isinstance(val, list) else val, img_size=imgsz, stride=32, auto=False)
@@ -64,7 +65,7 @@ def run(weights, include, imgsz, batch_size, dynamic, simplify_, inplace, opset,
     weights = Path(weights)
     device = select_device(device)
     model = load_for_export(weights, device, inplace, trust_checkpoint)
-    names = output_names(model)
+    names = task_of(model).output_names
     if include == "onnx_end2end" and len(names) > 1:
         raise ValueError(f"--include onnx_end2end: {weights} is a segmentation model, and EfficientNMS_TRT does not "
                          "output which anchors it kept, so their mask coefficients cannot be gathered; export "
@@ -93,13 +94,15 @@ def run(weights, include, imgsz, batch_size, dynamic, simplify_, inplace, opset,
             save_onnx(plain, checked, exist_ok=True)
         images = verification_images(data, imgsz, batch_size, verify_batches)
         try:
-            result["parity"] = verify_parity(model, checked, images, 0.25, iou_thres)
+            result["parity"] = verify_parity(model, checked, images, conf_thres, iou_thres)
         finally:
             if checked != path:
                 checked.unlink(missing_ok=True)
         p = result["parity"]
         LOGGER.info(f"{PREFIX}ONNX Runtime vs PyTorch on {p['images']} images: max abs err {p['max_abs_err']:.3g}, "
-                    f"rel err {p['rel_err']:.3g}, identical top detections {p['top_detections_identical']:.1%}")
+                    f"rel err " + ", ".join(f"{k} {v:.3g}" for k, v in p["rel_err"].items()) +
+                    (f", detections matched {p['detections_matched']:.1%} of {p['detections_counted']}"
+                     if p["detections_counted"] else ", no detection above the threshold to match"))
     if json:
         write_json(Path(json), result)
     return result
@@ -120,7 +123,8 @@ def parse_opt(argv=None):
                         "--stronglyTyped); fp32 for TensorRT 10 weakly typed builds (--int8 --fp16)")
     p.add_argument("--io-dtype", choices=PRECISIONS, default="fp32", help="type of the graph's input and outputs")
     p.add_argument("--device", default="cpu", help="cuda device, i.e. 0 or cpu")
-    p.add_argument("--conf-thres", type=float, default=0.25, help="EfficientNMS score threshold")
+    p.add_argument("--conf-thres", type=float, default=0.25,
+                   help="score threshold of end-to-end NMS, and of the detections --verify compares")
     p.add_argument("--iou-thres", type=float, default=0.45, help="EfficientNMS IoU threshold")
     p.add_argument("--topk-all", type=int, default=100, help="EfficientNMS max detections per image")
     p.add_argument("--verify", action="store_true", help="compare ONNX Runtime with PyTorch on --data images")

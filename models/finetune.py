@@ -3,7 +3,7 @@
 A `QATRecipe` says what the fake-quantized student learns from (the float teacher's layer outputs, the
 teacher's detections, the dataset's labels, or a mix), with which learning-rate schedule, and whether
 activation ranges (amax) are learned and weights averaged (EMA). `QATObjective` turns a recipe into a loss;
-`finetune_epoch` runs one epoch of it. Presets: `RECIPES["default"]` (the measured best, see
+a `FineTuner` runs epochs of it. Presets: `RECIPES["default"]` (the measured best, see
 docs/RESULTS.md) and `RECIPES["reference"]` (NVIDIA's YOLOv9 QAT recipe: per-layer MSE, Adam 1e-5, which
 on real photographs lost accuracy against PTQ).
 """
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from models.quantize import learnable_amax_parameters
+from models.task import task_of
 from utils.general import TQDM_BAR_FORMAT
-from utils.qat_utils import task_of
 
 DISTILL_TARGETS = ("head", "layers", "none")
 LR_SCHEDULES = ("cosine", "step")
@@ -108,7 +108,7 @@ def split_head_output(out) -> tuple[list[torch.Tensor], torch.Tensor | None, tor
 
 
 def head_distill_loss(student: list[torch.Tensor], teacher: list[torch.Tensor], nc: int, reg_max: int
-                      ) -> torch.Tensor:
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Distillation on what the detector outputs, per anchor of every level (B, 4*reg_max + nc, H, W):
 
     - class scores: binary cross-entropy of the student's logits against the teacher's probabilities, minus
@@ -116,15 +116,9 @@ def head_distill_loss(student: list[torch.Tensor], teacher: list[torch.Tensor], 
       are saturated near 0 contribute (almost) nothing;
     - boxes: KL divergence of the student's DFL distributions (4 sides x reg_max bins) from the teacher's,
       weighted by the teacher's highest class probability, so boxes count where the teacher sees objects.
-    Both are normalised by the summed weights, as upstream's loss is by its target scores.
+    Both are normalised by the summed weights, as upstream's loss is by its target scores. Returns the loss and
+    the weights (B, A), which pick the anchors whose masks are distilled.
     """
-    loss, weight_sum, _ = _head_terms(student, teacher, nc, reg_max)
-    return loss / weight_sum.clamp_min(1.0)
-
-
-def _head_terms(student: list[torch.Tensor], teacher: list[torch.Tensor], nc: int, reg_max: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """head_distill_loss's summed class and box terms, the sum of its weights, and the weights (B, A)."""
     cls_loss = box_loss = 0.0
     weight_sum = 0.0
     weights = []
@@ -143,7 +137,7 @@ def _head_terms(student: list[torch.Tensor], teacher: list[torch.Tensor], nc: in
         box_loss = box_loss + (kl * weight).sum()
         weight_sum = weight_sum + weight.sum()
         weights.append(weight)
-    return cls_loss + box_loss, weight_sum, torch.cat(weights, 1)
+    return (cls_loss + box_loss) / weight_sum.clamp_min(1.0), torch.cat(weights, 1)
 
 
 def mask_distill_loss(s_coef: torch.Tensor, t_coef: torch.Tensor, s_proto: torch.Tensor, t_proto: torch.Tensor,
@@ -206,18 +200,12 @@ class QATObjective:
         n = len(student.model)
         self.layers = supervised_layers(n, recipe.supervision_stride) if recipe.distill == "layers" else [n - 1]
         self.s_tap, self.t_tap = LayerTap(student, self.layers), LayerTap(teacher, self.layers)
-        self.segment = task_of(student) == "segment"
         self.det_loss = None
         if recipe.det_loss > 0:
             if hyp is None:
                 raise ValueError("--det-loss needs the training hyperparameters (--hyp)")
             student.hyp = hyp  # upstream's loss reads its class-loss settings from model.hyp
-            if self.segment:  # box, class, DFL and mask loss, overlapping masks as the loaders give them
-                from utils.segment.loss_tal import ComputeLoss as SegmentLoss
-                self.det_loss = SegmentLoss(student, overlap=True)
-            else:
-                from utils.loss_tal import ComputeLoss
-                self.det_loss = ComputeLoss(student)
+            self.det_loss = task_of(student).loss(student)
 
     def __enter__(self):
         return self
@@ -241,18 +229,13 @@ class QATObjective:
             head = self.layers[-1]
             (s_maps, s_coef, s_proto), (t_maps, t_coef, t_proto) = (split_head_output(tap.outputs[head])
                                                                     for tap in (self.s_tap, self.t_tap))
-            loss, weight_sum, weights = _head_terms(s_maps, t_maps, self.nc, self.reg_max)
-            loss = loss / weight_sum.clamp_min(1.0)
+            loss, weights = head_distill_loss(s_maps, t_maps, self.nc, self.reg_max)
             if s_coef is not None:
                 mask_loss = mask_distill_loss(s_coef, t_coef, s_proto, t_proto, weights)
                 parts["distill_mask"], loss = float(mask_loss.detach()), loss + mask_loss
             parts["distill"], total = float(loss.detach()), total + loss
         if self.det_loss is not None:
-            targets = targets.to(images.device)
-            if self.segment:
-                loss, _ = self.det_loss(preds, targets, masks.to(images.device).float())
-            else:
-                loss, _ = self.det_loss(feature_maps(preds), targets)
+            loss = self.det_loss(preds, targets.to(images.device), None if masks is None else masks.to(images.device))
             loss = loss / images.shape[0]  # upstream scales by the batch size; per image here
             parts["det"], total = float(loss.detach()), total + recipe.det_loss * loss
         return total, parts
@@ -304,37 +287,66 @@ def optimizer_for(model: nn.Module, recipe: QATRecipe) -> torch.optim.Optimizer:
     return torch.optim.Adam(unique, lr=recipe.lr)
 
 
-def finetune_epoch(objective: QATObjective, batches: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
-                   optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, ema: WeightEMA | None,
-                   step: int, total: int, epochs: int, iters: int, desc: str) -> tuple[dict[str, float], int]:
-    """One QAT epoch of `iters` iterations starting at global iteration `step`. Returns mean losses and the
-    next step. AMP (FP16 autocast) where a GradScaler is given."""
-    student, recipe = objective.student, objective.recipe
-    student.train()
-    objective.teacher.eval()
-    autocast = torch.autocast("cuda", dtype=torch.float16) if scaler is not None else nullcontext()
-    sums: dict[str, float] = {}
-    n = 0
-    pbar = tqdm(batches, total=iters, desc=desc, bar_format=TQDM_BAR_FORMAT)
-    for images, targets, masks in pbar:
-        lr = lr_at(step, total, epochs, recipe)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        with autocast:
-            loss, parts = objective(images, targets, masks)
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
-        if ema is not None:
-            ema.update(student)
-        step, n = step + 1, n + 1
-        parts["loss"] = float(loss.detach())
-        for k, v in parts.items():
-            sums[k] = sums.get(k, 0.0) + v
-        pbar.set_postfix(loss=f"{parts['loss']:.5f}", lr=f"{lr:.2e}")
-    return {k: v / max(n, 1) for k, v in sums.items()}, step
+class FineTuner:
+    """One fine-tuning run of a recipe: the optimizer, the AMP scaler (on CUDA), the weight EMA and the learning-rate
+    schedule over `epochs` x `iters` iterations. `epoch()` runs the next epoch; the state resumes a run."""
+
+    def __init__(self, objective: QATObjective, epochs: int, iters: int, amp: bool):
+        self.objective, self.epochs, self.iters = objective, epochs, iters
+        recipe, student = objective.recipe, objective.student
+        self.optimizer = optimizer_for(student, recipe)
+        self.scaler = torch.amp.GradScaler("cuda") if amp else None
+        self.ema = WeightEMA(student, recipe.ema) if recipe.ema else None
+        self.step = 0
+
+    @property
+    def trained(self) -> nn.Module:
+        """What is evaluated and saved: the EMA of the weights where the recipe keeps one."""
+        return self.ema.model if self.ema is not None else self.objective.student
+
+    def state(self) -> dict:
+        return {"step": self.step, "optimizer": self.optimizer.state_dict(),
+                "scaler": None if self.scaler is None else self.scaler.state_dict(),
+                **({} if self.ema is None else {"ema": self.ema.model, "ema_updates": self.ema.updates})}
+
+    def load_state(self, state: dict, device: torch.device) -> None:
+        self.step = state["step"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None:
+            self.ema.model, self.ema.updates = state["ema"].to(device), state["ema_updates"]
+
+    def epoch(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+              desc: str) -> dict[str, float]:
+        """One epoch of `iters` iterations; the mean of each loss part."""
+        objective = self.objective
+        student, recipe = objective.student, objective.recipe
+        student.train()
+        objective.teacher.eval()
+        autocast = torch.autocast("cuda", dtype=torch.float16) if self.scaler is not None else nullcontext()
+        sums: dict[str, float] = {}
+        n = 0
+        pbar = tqdm(batches, total=self.iters, desc=desc, bar_format=TQDM_BAR_FORMAT)
+        for images, targets, masks in pbar:
+            lr = lr_at(self.step, self.epochs * self.iters, self.epochs, recipe)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            with autocast:
+                loss, parts = objective(images, targets, masks)
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                loss.backward()
+                self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update(student)
+            self.step, n = self.step + 1, n + 1
+            parts["loss"] = float(loss.detach())
+            for k, v in parts.items():
+                sums[k] = sums.get(k, 0.0) + v
+            pbar.set_postfix(loss=f"{parts['loss']:.5f}", lr=f"{lr:.2e}")
+        return {k: v / max(n, 1) for k, v in sums.items()}

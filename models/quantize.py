@@ -20,7 +20,7 @@ import math
 import re
 import time
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -47,6 +47,7 @@ class QuantRecipe:
     num_bits: int = 8
     calib_method: str = "mse"          # max | mse | percentile | entropy (activations)
     percentile: float = 99.999         # used by calib_method="percentile"
+    calib_batches: int = 25            # training batches whose activations set the ranges
     skip: tuple[str, ...] = ()         # module-name patterns left in floating point
     # DFL decodes box distributions with fixed weights; INT8 there costs box precision, saves nothing.
     never_quantize: tuple[str, ...] = (r"\.dfl(\.|$)",)
@@ -58,6 +59,10 @@ class QuantRecipe:
     def __post_init__(self):
         if self.calib_method not in CALIB_METHODS:
             raise ValueError(f"--calib-method must be one of {CALIB_METHODS}, got {self.calib_method!r}")
+        if not 0 <= self.percentile <= 100:
+            raise ValueError(f"--percentile must be in [0, 100], got {self.percentile}")
+        if self.calib_batches < 1:
+            raise ValueError(f"--calib-batches must be >= 1, got {self.calib_batches}")
 
     def is_skipped(self, name: str) -> bool:
         return any(re.search(p, name) for p in self.skip + self.never_quantize)
@@ -158,10 +163,6 @@ class Int8Quantizer(TensorQuantizer):
         super().__init__(quant_desc)
         if quant_desc.calib_method == "histogram":
             self._calibrator = HistogramCollector(self._num_bits, self._unsigned)
-
-    @property
-    def is_per_tensor(self) -> bool:
-        return self._axis is None
 
     def _quant_forward(self, inputs: torch.Tensor) -> torch.Tensor:
         amax = getattr(self, "_amax", None)
@@ -286,6 +287,20 @@ def _quantizer(desc: QuantDescriptor) -> Int8Quantizer:
     return Int8Quantizer(desc)
 
 
+# Module type -> its quantized replacement (or None where an instance has nothing to quantize), as Model
+# Optimizer registers quantized module types. Exact types: subclasses carry their own forward.
+QUANTIZED_TYPES: dict[type, Callable[[nn.Module, QuantRecipe], nn.Module | None]] = {}
+
+
+def register(*types: type):
+    def add(make):
+        for t in types:
+            QUANTIZED_TYPES[t] = make
+        return make
+    return add
+
+
+@register(nn.Conv2d)
 def _quant_conv(conv: nn.Conv2d, recipe: QuantRecipe) -> quant_nn.QuantConv2d:
     q = quant_nn.QuantConv2d(
         conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
@@ -300,6 +315,7 @@ def _quant_conv(conv: nn.Conv2d, recipe: QuantRecipe) -> quant_nn.QuantConv2d:
     return q.to(conv.weight.device)
 
 
+@register(nn.MaxPool2d)
 def _quant_maxpool(pool: nn.MaxPool2d, recipe: QuantRecipe) -> quant_nn.QuantMaxPool2d:
     q = quant_nn.QuantMaxPool2d(pool.kernel_size, pool.stride, pool.padding, pool.dilation,
                                 pool.return_indices, pool.ceil_mode, quant_desc_input=_activation_desc(recipe))
@@ -314,23 +330,15 @@ def _attach(module: nn.Module, cls: type, names: tuple[str, ...], recipe: QuantR
     return new
 
 
-def _quantized_replacement(module: nn.Module, recipe: QuantRecipe) -> nn.Module | None:
-    """The quantized version of `module`, or None when it has no quantized form of its own."""
-    if isinstance(module, nn.Conv2d) and not isinstance(module, quant_nn.QuantConv2d):
-        return _quant_conv(module, recipe)
-    if isinstance(module, nn.MaxPool2d) and not isinstance(module, quant_nn.QuantMaxPool2d):
-        return _quant_maxpool(module, recipe)
-    if type(module) is nn.Upsample:
-        return _attach(module, QuantUpsample, ("_input_quantizer",), recipe)
-    if type(module) is Concat:
-        return _attach(module, QuantConcat, ("_input_quantizer",), recipe)
-    if type(module) is ADown:
-        return _attach(module, QuantADown, ("_avgpool_quantizer", "_maxpool_quantizer"), recipe)
-    if type(module) is AConv:
-        return _attach(module, QuantAConv, ("_avgpool_quantizer",), recipe)
-    if type(module) is RepNBottleneck and module.add:
-        return _attach(module, QuantRepNBottleneck, ("_add_quantizer0", "_add_quantizer1"), recipe)
-    return None
+def _register_attached(cls: type, quantized: type, names: tuple[str, ...], when=lambda m: True) -> None:
+    register(cls)(lambda m, recipe: _attach(m, quantized, names, recipe) if when(m) else None)
+
+
+_register_attached(nn.Upsample, QuantUpsample, ("_input_quantizer",))
+_register_attached(Concat, QuantConcat, ("_input_quantizer",))
+_register_attached(ADown, QuantADown, ("_avgpool_quantizer", "_maxpool_quantizer"))
+_register_attached(AConv, QuantAConv, ("_avgpool_quantizer",))
+_register_attached(RepNBottleneck, QuantRepNBottleneck, ("_add_quantizer0", "_add_quantizer1"), lambda m: m.add)
 
 
 def _replace_modules(module: nn.Module, recipe: QuantRecipe, prefix: str = "") -> None:
@@ -338,7 +346,8 @@ def _replace_modules(module: nn.Module, recipe: QuantRecipe, prefix: str = "") -
         full = f"{prefix}.{name}" if prefix else name
         if recipe.is_skipped(full):
             continue
-        new = _quantized_replacement(child, recipe)
+        make = QUANTIZED_TYPES.get(type(child))
+        new = make(child, recipe) if make is not None else None
         if new is not None:
             setattr(module, name, new)
             child = new
@@ -357,7 +366,6 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe = QuantRecipe(), imgsz:
     if is_quantized(model):
         raise ValueError("model is already quantized")
     _replace_modules(model, recipe)
-    model.quant_recipe = recipe.to_dict()
     if recipe.share_rules:
         from models.quantize_rules import share_quantizers  # rules need the quantized model first
         share_quantizers(model, imgsz=imgsz, share_add_inputs=recipe.share_add_inputs)
@@ -434,12 +442,11 @@ def calibrate_weights(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def calibrate_model(model: nn.Module, batches: Iterable[torch.Tensor], method: str = "mse",
-                    percentile: float = 99.999) -> dict[str, float]:
-    """PTQ: collect activation statistics over `batches` (already on the model's device, float,
-    0-1 scaled), then set every amax. Returns timings in seconds."""
-    if method not in CALIB_METHODS:
-        raise ValueError(f"--calib-method must be one of {CALIB_METHODS}, got {method!r}")
+def calibrate(model: nn.Module, recipe: QuantRecipe, batches: Iterable[torch.Tensor]) -> dict[str, float]:
+    """PTQ: collect activation statistics over `batches` (already on the model's device, float, 0-1 scaled; the
+    caller draws `recipe.calib_batches` of them), then set every amax by `recipe.calib_method`. Returns timings
+    in seconds."""
+    method = recipe.calib_method
     acts = [q for _, q in named_quantizers(model, activations_only=True) if not q._disabled]
     for q in acts:
         if method == "max" and not isinstance(q._calibrator, calib.MaxCalibrator):
@@ -462,7 +469,7 @@ def calibrate_model(model: nn.Module, batches: Iterable[torch.Tensor], method: s
         t1 = time.perf_counter()
         for q in acts:
             amax = q._calibrator.compute_amax() if method == "max" else \
-                q._calibrator.compute_amax(method, percentile=percentile)
+                q._calibrator.compute_amax(method, percentile=recipe.percentile)
             if amax is None:
                 raise RuntimeError("a quantizer saw no data during calibration; is the model's forward complete?")
             q.set_amax(amax.reshape(()).to(_device_of(model)))
@@ -493,7 +500,7 @@ def copy_float(model: nn.Module) -> nn.Module:
 __all__ = [
     "QuantRecipe", "Int8Quantizer", "fake_quant", "fake_quant_with", "fake_quant_learnable", "learnable_amax_parameters",
     "freeze_amax", "quant_params", "quantize_model", "is_quantized",
-    "named_quantizers", "quantizer_counts", "layer_quantizers", "quantization_disabled", "calibrate_model",
+    "named_quantizers", "quantizer_counts", "layer_quantizers", "quantization_disabled", "calibrate",
     "calibrate_weights", "copy_float",
-    "skip_patterns", "CALIB_METHODS",
+    "skip_patterns", "CALIB_METHODS", "QUANTIZED_TYPES", "register",
 ]

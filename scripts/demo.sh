@@ -75,8 +75,8 @@ print("\n".join(rows))
 q, p = report["quantizers"], export["parity"]
 print(f"\nquantizers: {q['distinct']} ({q['weight']} weight, {q['activation']} activation); calibration "
       f"{report['timing']['calib_collect_s']}s + {report['timing']['calib_amax_s']}s; "
-      f"ONNX Runtime vs PyTorch on {p['images']} images: rel err {p['rel_err']:.1e}, "
-      f"top detections identical {p['top_detections_identical']:.0%}, lint problems {export['lint']['problems']}")
+      f"ONNX Runtime vs PyTorch on {p['images']} images: rel err {p['rel_err']['output0']:.1e}, "
+      f"detections matched {p['detections_matched']:.0%}, lint problems {export['lint']['problems']}")
 print(f"\nQAT model: {report['qat_best_file']}\nONNX:      {export['onnx']}\nreport:    {runs / 'qat/report.json'}")
 print(f"demo: {seconds // 60} min {seconds % 60} s")
 PY

@@ -26,4 +26,4 @@ if command -v trtexec >/dev/null 2>&1 || [ -x /usr/src/tensorrt/bin/trtexec ]; t
   fi
 fi
 echo "val_trt.sh: TensorRT (trtexec + Python package) is not available here: evaluating $ONNX with ONNX Runtime instead" >&2
-exec python3 "$HERE/val_trt.py" --onnx-file "$ONNX" --backend onnxruntime --data "$DATA" --imgsz "$IMGSZ" --batch-size "$BATCH"
+exec python3 "$HERE/val_trt.py" --onnx-file "$ONNX" --data "$DATA" --imgsz "$IMGSZ" --batch-size "$BATCH"

@@ -38,11 +38,13 @@ def _export(weights, tmp_path, *args):
     return json.loads(out.read_text())
 
 
-def test_fp16_graph_is_all_fp16_and_matches_the_fp32_graph(quantized_weights, demo_data, tmp_path):
+def test_fp16_graph_is_all_fp16_and_matches_the_fp32_graph(quantized_weights, demo_data320, tmp_path):
     """Default export: FP16 everywhere that is not INT8, FP32 input/output; ONNX Runtime (>= 1.32, whose FP16
     QuantizeLinear rounds as the spec says) runs it. Against the FP32 graph the difference is FP16 rounding of
     activations, which flips a few INT8 roundings: outputs agree to a few percent and detections match."""
-    fp16 = _export(quantized_weights, tmp_path, "--verify", "--data", demo_data)
+    # verified where the trained model detects well (its 320 px data): real boxes to match
+    fp16 = _export(quantized_weights, tmp_path, "--verify", "--data", demo_data320, "--imgsz", 320, "--batch-size", 4,
+                   "--verify-batches", 8)
     assert fp16["precision"] == "fp16" and fp16["opset"] >= 19
     lint = fp16["lint"]
     assert lint["precision"] == "fp16" and lint["scale_dtypes"] == ["float16"] and lint["fp32_compute"] == []
@@ -53,7 +55,9 @@ def test_fp16_graph_is_all_fp16_and_matches_the_fp32_graph(quantized_weights, de
     assert graph_kind(fp16["onnx"]) == ("fp16", True)
     casts = [n.name for n in model.graph.node if n.op_type == "Cast"]  # only at the FP32 input and output
     assert sorted(casts) == ["images_to_fp16", "output0_to_fp32"]
-    assert fp16["parity"]["rel_err"] < 0.1 and fp16["parity"]["top_detections_identical"] >= 0.8
+    parity = fp16["parity"]
+    assert parity["rel_err"]["output0"] < 0.1 and parity["detections_counted"] > 10, parity
+    assert parity["detections_matched"] >= 0.9, parity  # FP16 activations too: more flips than the FP32 graph's
     fp32 = _export(quantized_weights, tmp_path, "--precision", "fp32")
     assert fp32["lint"]["precision"] == "fp32" and fp32["lint"]["scale_dtypes"] == ["float32"]
     assert graph_kind(fp32["onnx"]) == ("fp32", True) and fp32["qdq_pairs"] == fp16["qdq_pairs"]

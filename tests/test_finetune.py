@@ -11,9 +11,8 @@ import yaml
 from conftest import CHECKOUT, build_model
 
 from models.checkpoint import read_checkpoint, save_checkpoint
-from models.finetune import (RECIPES, QATObjective, QATRecipe, WeightEMA, finetune_epoch, head_distill_loss, lr_at,
-                             optimizer_for)
-from models.quantize import (calibrate_model, copy_float, fake_quant, learnable_amax_parameters, named_quantizers,
+from models.finetune import RECIPES, FineTuner, QATObjective, QATRecipe, WeightEMA, head_distill_loss, lr_at
+from models.quantize import (QuantRecipe, calibrate, copy_float, fake_quant, learnable_amax_parameters, named_quantizers,
                              quantize_model)
 from utils.onnx_utils import model_to_onnx, unshared_joins
 
@@ -41,7 +40,7 @@ def ptq_pair():
     model.fuse()
     teacher = copy_float(model)
     quantize_model(model)
-    calibrate_model(model, _images(), "mse")
+    calibrate(model, QuantRecipe(calib_method="mse"), _images())
     return model, teacher
 
 
@@ -57,9 +56,9 @@ def _maps(b=2, a=(8, 4), seed=0):
 def test_head_loss_is_zero_at_agreement_and_flows_back():
     teacher = _maps()
     student = [t.clone().requires_grad_(True) for t in teacher]
-    assert float(head_distill_loss(student, teacher, NC, REG_MAX)) == pytest.approx(0.0, abs=1e-5)
+    assert float(head_distill_loss(student, teacher, NC, REG_MAX)[0]) == pytest.approx(0.0, abs=1e-5)
     moved = [(t + 0.3 * torch.randn_like(t)).requires_grad_(True) for t in teacher]
-    loss = head_distill_loss(moved, teacher, NC, REG_MAX)
+    loss = head_distill_loss(moved, teacher, NC, REG_MAX)[0]
     assert float(loss) > 1e-3
     loss.backward()
     assert all(m.grad is not None and float(m.grad.abs().sum()) > 0 for m in moved)
@@ -77,7 +76,7 @@ def test_head_loss_ignores_saturated_background_that_mse_punishes():
         for s in student:
             s[:, 4 * REG_MAX:] -= 4.0
         mse = sum(torch.nn.functional.mse_loss(s, t) for s, t in zip(student, teacher))
-        return float(mse), float(head_distill_loss(student, teacher, NC, REG_MAX))
+        return float(mse), float(head_distill_loss(student, teacher, NC, REG_MAX)[0])
     mse_background, head_background = case(-12.0)
     mse_object, head_object = case(2.0)
     assert mse_background == pytest.approx(mse_object)
@@ -88,12 +87,11 @@ def test_objective_with_detection_loss_trains_the_quantized_model(ptq_pair):
     model, teacher = copy.deepcopy(ptq_pair[0]), ptq_pair[1]
     recipe = RECIPES["default"]
     assert recipe.distill == "head" and recipe.det_loss > 0
-    optimizer = optimizer_for(model, recipe)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with QATObjective(recipe, model, teacher, _hyp()) as objective:
-        losses, step = finetune_epoch(objective, iter([(im, _targets(), None) for im in _images(3)]), optimizer, None,
-                                      None, 0, 3, 1, 3, "")
-    assert step == 3 and {"distill", "det", "loss"} <= set(losses) and all(math.isfinite(v) for v in losses.values())
+        tuner = FineTuner(objective, epochs=1, iters=3, amp=False)
+        losses = tuner.epoch(iter([(im, _targets(), None) for im in _images(3)]), "")
+    assert tuner.step == 3 and {"distill", "det", "loss"} <= set(losses) and all(math.isfinite(v) for v in losses.values())
     changed = sum(not torch.equal(before[n], p) for n, p in model.named_parameters())
     assert changed > 0.9 * len(before)
     assert not model.model[-1]._forward_hooks  # the objective's taps are gone
@@ -104,8 +102,7 @@ def test_lr_zero_changes_nothing(ptq_pair):
     recipe = RECIPES["reference"].with_overrides(lr=0.0)
     before = copy.deepcopy(model.state_dict())
     with QATObjective(recipe, model, teacher) as objective:
-        finetune_epoch(objective, iter([(im, _targets(), None) for im in _images(2)]), optimizer_for(model, recipe),
-                       None, None, 0, 2, 1, 2, "")
+        FineTuner(objective, epochs=1, iters=2, amp=False).epoch(iter([(im, _targets(), None) for im in _images(2)]), "")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -121,8 +118,7 @@ def test_learned_amax_gets_gradients_and_exports_one_scale_per_shared_group(ptq_
     recipe = RECIPES["default"].with_overrides(learn_amax=True, lr=1e-2)
     before = [float(p) for p in params]
     with QATObjective(recipe, model, teacher, _hyp()) as objective:
-        finetune_epoch(objective, iter([(im, _targets(), None) for im in _images(2)]), optimizer_for(model, recipe),
-                       None, None, 0, 2, 1, 2, "")
+        FineTuner(objective, epochs=1, iters=2, amp=False).epoch(iter([(im, _targets(), None) for im in _images(2)]), "")
     moved = sum(float(p) != b for p, b in zip(params, before))
     assert moved > 0.9 * len(params)
     assert unshared_joins(model_to_onnx(model, 64).graph) == []  # shared quantizers stayed one object

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.calibrate import HistogramCollector, amax_entropy, amax_mse, amax_percentile
 from models.checkpoint import load_quantized_model, save_checkpoint
-from models.quantize import (CALIB_METHODS, QuantRecipe, calibrate_model, fake_quant, is_quantized, layer_quantizers,
+from models.quantize import (CALIB_METHODS, QuantRecipe, calibrate, fake_quant, is_quantized, layer_quantizers,
                              named_quantizers, quantization_disabled, quantize_model, quantizer_counts, skip_patterns)
 from utils.onnx_utils import unshared_joins
 from utils.onnx_utils import activation_quantize_nodes, model_to_onnx
@@ -78,7 +78,7 @@ def test_known_joins_share_one_quantizer(gelan_c, gelan_t):
 @pytest.mark.parametrize("cfg", ["gelan-t", "gelan-c"])
 def test_exported_graph_has_no_unshared_join(cfg, request):
     model = request.getfixturevalue(cfg.replace("-", "_"))
-    calibrate_model(model, _images(1), "max")
+    calibrate(model, QuantRecipe(calib_method="max"), _images(1))
     graph = model_to_onnx(model, 64).graph
     assert unshared_joins(graph) == []
     counts = quantizer_counts(model)
@@ -92,13 +92,13 @@ def test_without_sharing_the_lint_finds_joins():
     model = build_model("gelan-t")
     model.fuse()
     quantize_model(model, QuantRecipe(share_rules=False))
-    calibrate_model(model, _images(1), "max")
+    calibrate(model, QuantRecipe(calib_method="max"), _images(1))
     assert len(unshared_joins(model_to_onnx(model, 64).graph)) > 10
 
 
 @pytest.mark.parametrize("method", CALIB_METHODS)
 def test_calibration_methods(method, gelan_t):
-    times = calibrate_model(gelan_t, _images(2), method, percentile=99.9)
+    times = calibrate(gelan_t, QuantRecipe(calib_method=method, percentile=99.9), _images(2))
     acts = [q for _, q in named_quantizers(gelan_t, activations_only=True)]
     amax = torch.stack([q.amax.float() for q in acts])
     assert torch.isfinite(amax).all() and (amax > 0).all()
@@ -233,7 +233,7 @@ def test_skip_layers_by_index_and_regex():
 
 
 def test_disabling_a_layer_changes_the_output(gelan_t):
-    calibrate_model(gelan_t, _images(1), "max")
+    calibrate(gelan_t, QuantRecipe(calib_method="max"), _images(1))
     x = _images(1, seed=5)[0]
     with torch.no_grad():
         base = gelan_t(x)[0]
@@ -245,7 +245,7 @@ def test_disabling_a_layer_changes_the_output(gelan_t):
 
 
 def test_checkpoint_roundtrip_on_cpu(gelan_t, tmp_path):
-    calibrate_model(gelan_t, _images(1), "percentile", percentile=99.99)
+    calibrate(gelan_t, QuantRecipe(calib_method="percentile", percentile=99.99), _images(1))
     x = _images(1, seed=7)[0]
     with torch.no_grad():
         ref = gelan_t(x)[0]

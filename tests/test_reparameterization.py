@@ -57,10 +57,10 @@ def test_segmentation_pair_equals_main_branch(tmp_path):
     # what QAT takes: the converted model quantizes, its segmentation head included, under the derived sharing rules
     from pytorch_quantization.nn import QuantConv2d
     from models.checkpoint import load_float_model
-    from models.quantize import calibrate_model, quantize_model, quantizer_counts
+    from models.quantize import QuantRecipe, calibrate, quantize_model, quantizer_counts
     from utils.onnx_utils import model_to_onnx, unshared_joins
     model = quantize_model(load_float_model(tmp_path / "seg.pt"))
-    calibrate_model(model, [x], "max")
+    calibrate(model, QuantRecipe(calib_method="max"), [x])
     head = model.model[-1]
     convs = [m for m in (*head.cv4.modules(), *head.proto.modules()) if isinstance(m, torch.nn.modules.conv._ConvNd)]
     assert convs and all(isinstance(m, QuantConv2d) for m in convs)

@@ -81,7 +81,7 @@ def test_eval_reproduces_the_report(seg_run, seg_data, tmp_path):
 def seg_onnx(seg_run, seg_data):
     weights = seg_run[0] / "weights" / "qat_best_gelan-t-seg-demo.pt"
     r = run_cli("export_qat.py", "--weights", weights, "--imgsz", SIZE, "--dynamic", "--simplify", "--precision", "fp32",
-                "--verify", "--data", seg_data, "--batch-size", 2, "--verify-batches", 25, "--json", weights.with_suffix(".json"))
+                "--verify", "--data", seg_data, "--batch-size", 2, "--verify-batches", 25, "--conf-thres", 0.1, "--json", weights.with_suffix(".json"))
     assert r.returncode == 0, r.stderr[-3000:]
     return weights, weights.with_suffix(".onnx"), json.loads(weights.with_suffix(".json").read_text())
 
@@ -93,15 +93,15 @@ def test_export_has_predictions_and_prototypes_and_is_lint_clean(seg_onnx):
     shapes = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in graph.output}
     assert shapes == {"output0": ["batch", 4 + 12 + 32, 2100], "output1": ["batch", 32, SIZE // 4, SIZE // 4]}
     assert summary["lint"]["unshared_joins"] == [] and summary["lint"]["unquantized_convs"] == []
-    # ONNX Runtime vs PyTorch on both outputs. Both compute the FP32 Q/DQ arithmetic as written but sum each
-    # convolution in another order, so values on an INT8 rounding boundary flip one step and carry it downstream;
-    # in this trained model that is a norm-relative 0.006 on the predictions and 0.05 on the prototypes (the
-    # deepest chain, at the highest resolution): PyTorch against itself at 1 vs 2 CPU threads differs by the same
-    # 0.006 and 0.05. Top detections (IoU >= 0.95, same class) on 50 images: on a few, one moved box of this weak
-    # model is already several percent (seen 83 % on 4 images, 87-97 % on 20, 95 % on 50). The mAP comparison below is
-    # the strict check.
+    # ONNX Runtime vs PyTorch. Both compute the FP32 Q/DQ arithmetic as written but sum each convolution in another
+    # order, so values on an INT8 rounding boundary flip one step and carry it downstream: a norm-relative 0.006 on
+    # the predictions of this trained model. The prototypes (the deepest chain, at the highest resolution) move by
+    # 0.05 to 0.10 depending on the CPU's kernels (PyTorch against itself at 1 vs 2 threads: the same), so they are
+    # not bounded here: the masks they make are, by the mask mAP comparison below. Detections are matched box for
+    # box with the tolerances of models/export.py.
     parity = summary["parity"]
-    assert parity["outputs"] == 2 and parity["rel_err"] < 0.1 and parity["top_detections_identical"] > 0.9
+    assert set(parity["rel_err"]) == {"output0", "output1"} and parity["rel_err"]["output0"] < 2e-2, parity
+    assert parity["detections_counted"] > 50 and parity["detections_matched"] >= 0.95, parity
 
 
 def test_fp16_export_for_strongly_typed_engines(seg_run, tmp_path):
@@ -117,12 +117,14 @@ def test_onnxruntime_box_and_mask_map_equal_pytorch(seg_onnx, seg_data):
     """The same loop (square letterbox, NMS, upstream's mask assembly and matching) over the PyTorch model and over
     ONNX Runtime running its export. As for detection (test_val_trt.py), only the summation order inside the
     convolutions differs, which flips a few INT8 roundings: mAP over 100 images moves by well under 0.005."""
-    from utils.qat_utils import load_data
-    from val_trt import OnnxRuntimeRunner, PyTorchRunner, _val_loader, evaluate_runner
+    from models.evaluate import evaluate, val_loader
+    from models.runners import OnnxRuntimeRunner, open_runner
+    from models.task import SEGMENT
+    from utils.batches import load_data
     weights, onnx_path, _ = seg_onnx
     data = load_data(seg_data)
-    results = [evaluate_runner(runner, _val_loader("segment", data, SIZE, 4, 0), data["nc"], 0.001, 0.7, False, None,
-                               "segment")[0] for runner in (OnnxRuntimeRunner(onnx_path), PyTorchRunner(weights, "cpu"))]
+    results = [evaluate(runner, val_loader(SEGMENT, data, SIZE, 4, 0), SEGMENT, data["nc"])
+               for runner in (OnnxRuntimeRunner(onnx_path), open_runner(weights, "cpu"))]
     print("ORT", results[0], "PyTorch", results[1])
     ours, ref = results
     assert ours["images"] == ref["images"] == 100 and ref["mask_ap50"] > 0.1

@@ -1,8 +1,10 @@
 """Small helpers shared by the command-line scripts: atomic writes and the common `main()`."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +45,26 @@ def atomic_write(path: str | Path, write: Callable[[str], None], exist_ok: bool 
         if os.path.exists(tmp):
             os.remove(tmp)
     return path
+
+
+@dataclass(frozen=True)
+class OutputDir:
+    """project/name, numbered (name2, name3, ...) unless exist_ok, as upstream's runs/ folders."""
+    project: str = "runs/exp"
+    name: str = "exp"
+    exist_ok: bool = False
+
+    def create(self) -> Path:
+        """Created only once the inputs were validated: a failed start leaves no empty folder behind."""
+        from utils.general import increment_path
+        save_dir = Path(increment_path(Path(self.project) / self.name, exist_ok=self.exist_ok))
+        save_dir.mkdir(parents=True, exist_ok=True)
+        return save_dir
+
+
+def write_json(path: str | Path, obj) -> Path:
+    """Atomic JSON write (temp file + rename)."""
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2) + "\n"))
 
 
 def cli_main(prog: str, parse_opt: Callable, run: Callable, argv=None) -> int:

@@ -1,0 +1,150 @@
+"""Runners: a batch of float 0-1 NCHW images in, a dict of named output tensors out, for PyTorch, ONNX Runtime
+and TensorRT alike, so that one evaluation loop (models/evaluate.py) measures all three the same way."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+import torch.nn as nn
+
+from models.task import Task, task_of, task_of_outputs
+from utils.onnx_utils import detect_export_mode
+
+ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
+
+
+class TorchRunner:
+    """A PyTorch model (float or fake-quantized) in FP32, its heads in export mode (decoded predictions, and the
+    prototypes of a segmentation head): the arithmetic the exported graph computes."""
+
+    def __init__(self, model: nn.Module, device: torch.device | str | None = None):
+        self.model = model
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.task: Task = task_of(model)
+        self.output_names = list(self.task.output_names)
+        self.input_shape: list[int | None] = [None, 3, None, None]
+        self.max_batch = None
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with detect_export_mode(self.model):
+                out = self.model(images.to(self.device).float())
+        finally:
+            self.model.train(was_training)
+        out = out if isinstance(out, (list, tuple)) else (out,)
+        return {n: t.float().cpu() for n, t in zip(self.output_names, out)}
+
+
+class OnnxRuntimeRunner:
+    """The ONNX graph as written (no ORT graph fusions: DQ then float ops, the arithmetic TensorRT is asked for)."""
+
+    def __init__(self, path: str | Path):
+        from models.export import ort_session
+        ops = {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+        if "EfficientNMS_TRT" in ops:
+            raise ValueError(f"{path}: has an EfficientNMS_TRT node, which only TensorRT runs; evaluate the plain or "
+                             "the standard end-to-end export (--nms onnx) with ONNX Runtime")
+        self.session = ort_session(path)
+        inp = self.session.get_inputs()[0]
+        self.input_name = inp.name
+        self.input_dtype = np.float16 if inp.type == "tensor(float16)" else np.float32
+        self.input_shape = [d if isinstance(d, int) else None for d in inp.shape]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.output_shapes = {o.name: list(o.shape) for o in self.session.get_outputs()}
+        self.task = task_of_outputs(self.output_names)
+        self.max_batch = None
+        self.metadata = dict(self.session.get_modelmeta().custom_metadata_map)
+
+    def __call__(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        outs = self.session.run(None, {self.input_name: images.cpu().numpy().astype(self.input_dtype)})
+        return {n: torch.from_numpy(o).float() if o.dtype == np.float16 else torch.from_numpy(o)
+                for n, o in zip(self.output_names, outs)}
+
+
+class TensorRTRunner:
+    """A TensorRT 10.x / 11.x engine through the named-tensor API (set_input_shape, set_tensor_address,
+    execute_async_v3), with torch CUDA tensors as device buffers. Every set_* call's result is checked: a False
+    means TensorRT rejected the shape or the address, and running on would read garbage."""
+
+    def __init__(self, path: str | Path, device: str = "cuda:0"):
+        import tensorrt as trt
+        self.trt = trt
+        self.device = torch.device(device)
+        logger = trt.Logger(trt.Logger.WARNING)
+        trt.init_libnvinfer_plugins(logger, "")  # EfficientNMS_TRT, for engines built from such graphs
+        self.runtime = trt.Runtime(logger)  # kept alive as long as the engine (the context manager is deprecated)
+        self.engine = self.runtime.deserialize_cuda_engine(Path(path).read_bytes())
+        if self.engine is None:
+            raise ValueError(f"{path}: TensorRT could not deserialize this engine (built by another TensorRT version "
+                             "or for another GPU?)")
+        self.context = self.engine.create_execution_context()
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.output_names = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+        self.output_shapes = {n: [d if d >= 0 else None for d in self.engine.get_tensor_shape(n)]
+                              for n in self.output_names}
+        self.task = task_of_outputs(self.output_names)
+        self.input_name = inputs[0]
+        shape = list(self.engine.get_tensor_shape(self.input_name))
+        self.input_shape = [None if d < 0 else d for d in shape]
+        self.max_batch = (self.engine.get_tensor_profile_shape(self.input_name, 0)[2][0]
+                          if self.input_shape[0] is None else self.input_shape[0])
+        self.stream = torch.cuda.Stream(device=self.device)
+
+    def _torch_dtype(self, name: str) -> torch.dtype:
+        t = self.trt.DataType
+        return {t.FLOAT: torch.float32, t.HALF: torch.float16, t.INT32: torch.int32, t.INT64: torch.int64,
+                t.INT8: torch.int8, t.BOOL: torch.bool}[self.engine.get_tensor_dtype(name)]
+
+    def _bind(self, name: str, tensor: torch.Tensor) -> None:
+        if not self.context.set_tensor_address(name, tensor.data_ptr()):
+            raise RuntimeError(f"TensorRT refused the buffer of tensor {name!r}")
+
+    def __call__(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = images.to(self.device, self._torch_dtype(self.input_name)).contiguous()
+        if not self.context.set_input_shape(self.input_name, tuple(x.shape)):
+            raise ValueError(f"the engine does not take input shape {tuple(x.shape)} (its profile: "
+                             f"{[tuple(s) for s in self.engine.get_tensor_profile_shape(self.input_name, 0)]})")
+        self._bind(self.input_name, x)
+        outputs = {}
+        for name in self.output_names:
+            out = torch.empty(tuple(self.context.get_tensor_shape(name)), dtype=self._torch_dtype(name),
+                              device=self.device)
+            self._bind(name, out)
+            outputs[name] = out
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if not self.context.execute_async_v3(self.stream.cuda_stream):
+            raise RuntimeError("TensorRT execute_async_v3 failed")
+        self.stream.synchronize()
+        return {k: v.float().cpu() if v.is_floating_point() else v.cpu() for k, v in outputs.items()}
+
+
+def open_runner(path: str | Path, device: str = "cpu", trust: bool = False, flag: str = "--weights"):
+    """The runner for a file: .pt (PyTorch), .onnx (ONNX Runtime) or a TensorRT engine."""
+    path = Path(path)
+    if not path.is_file():  # before any import: a typo is named as a typo
+        raise FileNotFoundError(f"{flag} {path}: file not found")
+    if path.suffix in ENGINE_SUFFIXES:
+        try:
+            import tensorrt  # noqa: F401
+        except ImportError:
+            raise ValueError("TensorRT is not installed here (./install_dependencies.sh --tensorrt says why); "
+                             "evaluate the ONNX with --onnx-file instead (ONNX Runtime)") from None
+        return TensorRTRunner(path, _cuda(device) or "cuda:0")
+    if path.suffix == ".onnx":
+        return OnnxRuntimeRunner(path)
+    from models.export import load_for_export
+    device = _cuda(device) if _cuda(device) and torch.cuda.is_available() else "cpu"
+    return TorchRunner(load_for_export(path, device, trust=trust), device)
+
+
+def _cuda(device: str) -> str | None:
+    device = str(device)
+    if device.isdigit():
+        return f"cuda:{device}"
+    return device if device.startswith("cuda") else None

@@ -1,0 +1,82 @@
+"""What a model predicts, decided once: detection, or instance segmentation (boxes plus masks).
+
+A `Task` is the one place that knows the difference: the names of the exported outputs, the dataset loader
+(segmentation batches carry instance masks), upstream's training loss, the metrics reported and the score that
+picks a best epoch. The pipeline, the evaluation loop and the export take it as a parameter. It is read off a
+PyTorch model (a head with a prototype branch) or off a deployed graph's outputs (a prototype output), by one
+rule: a model that outputs mask prototypes is a segmentation model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+BOX_METRICS = ("ap", "ap50", "precision", "recall")
+MASK_METRICS = ("mask_ap", "mask_ap50", "mask_precision", "mask_recall")
+MASK_DOWNSAMPLE = 4  # ground-truth masks at the prototypes' resolution, as upstream segment/train.py validates
+PROTOTYPES = "output1"
+END_TO_END_MASKS = "det_masks"
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    output_names: tuple[str, ...]
+    metric_keys: tuple[str, ...]
+
+    @property
+    def has_masks(self) -> bool:
+        return self is SEGMENT
+
+    def dataloader(self, path, imgsz: int, batch_size: int, stride: int, **kwargs):
+        """Upstream's loader for the task: (loader, dataset). Segmentation batches also carry the instance masks,
+        overlapping instances in one mask per image at 1/4 resolution, as upstream trains and validates."""
+        if self.has_masks:
+            from utils.segment.dataloaders import create_dataloader
+            return create_dataloader(path, imgsz, batch_size, stride, overlap_mask=True,
+                                     mask_downsample_ratio=MASK_DOWNSAMPLE, **kwargs)
+        from utils.dataloaders import create_dataloader
+        return create_dataloader(path, imgsz, batch_size, stride, **kwargs)
+
+    def loss(self, model: nn.Module):
+        """Upstream's training loss for `model` (which must carry `hyp`): a callable
+        (predictions, targets, masks) -> loss summed over the batch."""
+        if self.has_masks:
+            from utils.segment.loss_tal import ComputeLoss
+            compute = ComputeLoss(model, overlap=True)
+            return lambda preds, targets, masks: compute(preds, targets, masks.float())[0]
+        from utils.loss_tal import ComputeLoss
+        compute = ComputeLoss(model)
+        return lambda preds, targets, masks: compute(_train_maps(preds), targets)[0]
+
+    def score(self, metrics: dict) -> float:
+        """What picks a best epoch: box mAP50-95, plus mask mAP50-95 for segmentation."""
+        return sum(metrics[k] for k in ("ap", "mask_ap") if k in self.metric_keys)
+
+    def metrics(self, values: dict) -> dict:
+        """The task's metrics out of a larger dict."""
+        return {k: values[k] for k in self.metric_keys if k in values}
+
+
+DETECT = Task("detect", ("output0",), BOX_METRICS)
+SEGMENT = Task("segment", ("output0", PROTOTYPES), BOX_METRICS + MASK_METRICS)
+TASKS = {t.name: t for t in (DETECT, SEGMENT)}
+
+
+def task_of(model: nn.Module) -> Task:
+    """The task of a PyTorch YOLO model: its head has a prototype branch (Segment, DSegment) or not."""
+    return SEGMENT if hasattr(model.model[-1], "proto") else DETECT
+
+
+def task_of_outputs(names: list[str]) -> Task:
+    """The task of a deployed graph, by its output names (what export_qat.py writes)."""
+    return SEGMENT if PROTOTYPES in names or END_TO_END_MASKS in names else DETECT
+
+
+def _train_maps(preds) -> list[torch.Tensor]:
+    """The raw per-level maps a detection head returns in training mode, whichever mode produced `preds`."""
+    if isinstance(preds, (list, tuple)) and len(preds) == 2 and isinstance(preds[1], (list, tuple)):
+        return list(preds[1])
+    return list(preds)

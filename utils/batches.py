@@ -1,0 +1,53 @@
+"""Datasets and batches for calibration and fine-tuning: the data yaml, the hyperparameters, and seeded streams
+of batches from upstream's loaders."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import yaml
+
+from utils.general import check_dataset, init_seeds
+
+
+def load_data(data: str | Path) -> dict:
+    """Upstream's dataset dict (paths resolved, images checked), errors naming --data."""
+    path = Path(data)
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {data}: file not found")
+    try:
+        return check_dataset(str(path), autodownload=False)
+    except Exception as e:  # upstream raises a bare Exception for missing image folders
+        raise ValueError(f"--data {data}: {e}".split("\n")[0]) from None
+
+
+def load_hyp(hyp: str | Path) -> dict:
+    path = Path(hyp)
+    if not path.is_file():
+        raise FileNotFoundError(f"--hyp {hyp}: file not found")
+    return yaml.safe_load(path.read_text())
+
+
+def cycle(loader, n: int) -> Iterator:
+    """`n` batches of `loader`, starting a new pass when one ends."""
+    it = iter(loader)
+    for _ in range(n):
+        try:
+            yield next(it)
+        except StopIteration:
+            it = iter(loader)
+            yield next(it)
+
+
+def seeded_batches(loader, device: torch.device, n: int, seed: int
+                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """`n` batches of (images as float 0-1 on `device`, upstream targets, instance masks or None), in an order and
+    with augmentations that depend on `seed` only: an epoch seeded by (run seed, epoch) is the same whether or not
+    the run was interrupted and resumed before it, and a calibration sample is chosen by the run's seed."""
+    init_seeds(seed, deterministic=False)  # augmentations drawn in this process (workers=0)
+    generator = getattr(loader, "generator", None)
+    if generator is not None:  # shuffling and the workers' seeds
+        generator.manual_seed(seed)
+    for batch in cycle(loader, n):
+        yield batch[0].to(device, non_blocking=True).float() / 255, batch[1], batch[4] if len(batch) > 4 else None
