@@ -27,7 +27,7 @@ from models.quantize import is_quantized  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import cli_main  # noqa: E402
 from utils.io_utils import write_json  # noqa: E402
-from models.export import (PRECISIONS, PREFIX, add_efficient_nms, count_qdq, export_graph,  # noqa: E402
+from models.export import (DTYPES, PREFIX, add_efficient_nms, count_qdq, export_graph,  # noqa: E402
                            load_for_export, report_lint, save_onnx, verify_parity)
 from models.task import task_of  # noqa: E402
 from utils.torch_utils import select_device  # noqa: E402
@@ -60,7 +60,7 @@ def verification_images(data: str, imgsz: int, batch_size: int, n_batches: int) 
 
 
 def run(weights, include, imgsz, batch_size, dynamic, simplify_, inplace, opset, device, conf_thres, iou_thres,
-        topk_all, verify, data, verify_batches, exist_ok, json=None, trust_checkpoint=False, precision="fp16",
+        topk_all, verify, data, verify_batches, exist_ok, json=None, trust_checkpoint=False, dtype="fp16",
         io_dtype="fp32", **_) -> dict:
     weights = Path(weights)
     device = select_device(device)
@@ -73,7 +73,7 @@ def run(weights, include, imgsz, batch_size, dynamic, simplify_, inplace, opset,
     quantized = is_quantized(model)
     im = torch.zeros(batch_size, 3, imgsz, imgsz, device=device)
     t0 = time.perf_counter()
-    plain = export_graph(model, im, opset, dynamic, simplify_, precision, io_dtype, output_names=names)
+    plain = export_graph(model, im, opset, dynamic, simplify_, dtype, io_dtype, output_names=names)
     lint_report = report_lint(plain)
     proto = plain
     if include == "onnx_end2end":
@@ -81,7 +81,7 @@ def run(weights, include, imgsz, batch_size, dynamic, simplify_, inplace, opset,
     path = save_onnx(proto, output_path(weights, include), exist_ok)
     q, dq = count_qdq(proto)
     result = {"weights": str(weights), "onnx": str(path), "include": include, "quantized": quantized,
-              "precision": precision, "io_dtype": io_dtype, "opset": max(o.version for o in proto.opset_import),
+              "dtype": dtype, "io_dtype": io_dtype, "opset": max(o.version for o in proto.opset_import),
               "dynamic": dynamic, "imgsz": imgsz, "batch_size": batch_size, "qdq_pairs": min(q, dq),
               "quantize_nodes": q, "dequantize_nodes": dq, "lint": lint_report.to_dict(),
               "outputs": [o.name for o in proto.graph.output], "export_s": round(time.perf_counter() - t0, 2)}
@@ -117,11 +117,11 @@ def parse_opt(argv=None):
     p.add_argument("--dynamic", action="store_true", help="dynamic batch axis")
     p.add_argument("--simplify", dest="simplify_", action="store_true", help="simplify with onnxslim (Q/DQ kept)")
     p.add_argument("--inplace", action="store_true", help="set the detection head's inplace flag (as upstream export.py)")
-    p.add_argument("--opset", type=int, default=17, help="ONNX opset (>= 13 for per-channel Q/DQ; 19 with --precision fp16)")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp16",
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset (>= 13 for per-channel Q/DQ; 19 with --dtype fp16)")
+    p.add_argument("--dtype", choices=DTYPES, default="fp16",
                    help="type of everything that is not INT8: fp16 for strongly typed builds (TensorRT 11, or 10.x "
                         "--stronglyTyped); fp32 for TensorRT 10 weakly typed builds (--int8 --fp16)")
-    p.add_argument("--io-dtype", choices=PRECISIONS, default="fp32", help="type of the graph's input and outputs")
+    p.add_argument("--io-dtype", choices=DTYPES, default="fp32", help="type of the graph's input and outputs")
     p.add_argument("--device", default="cpu", help="cuda device, i.e. 0 or cpu")
     p.add_argument("--conf-thres", type=float, default=0.25,
                    help="score threshold of end-to-end NMS, and of the detections --verify compares")

@@ -23,7 +23,7 @@ from models.checkpoint import read_checkpoint  # noqa: E402
 from models.quantize import is_quantized  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import atomic_write, cli_main  # noqa: E402
-from models.export import (PRECISIONS, PREFIX, class_names, count_qdq, export_graph,  # noqa: E402
+from models.export import (DTYPES, PREFIX, class_names, count_qdq, export_graph,  # noqa: E402
                            load_for_export, report_lint, save_onnx)
 
 
@@ -45,7 +45,7 @@ class DeepStreamHead(nn.Module):
         return torch.cat([xy - wh / 2, xy + wh / 2, score, cls.to(score.dtype)], -1)
 
 
-def run(weights, size, opset, simplify_, dynamic, batch, device, exist_ok, trust_checkpoint=False, precision="fp16",
+def run(weights, size, opset, simplify_, dynamic, batch, device, exist_ok, trust_checkpoint=False, dtype="fp16",
         io_dtype="fp32", **_) -> dict:
     weights = Path(weights)
     quantized = is_quantized(read_checkpoint(weights, trust_checkpoint)["model"])
@@ -53,7 +53,7 @@ def run(weights, size, opset, simplify_, dynamic, batch, device, exist_ok, trust
     head = type(model.model[-1]).__name__
     h, w = (size * 2)[:2]
     im = torch.zeros(batch, 3, h, w, device=device)
-    proto = export_graph(model, im, opset, dynamic, simplify_, precision, io_dtype, wrapper=DeepStreamHead(model).eval(),
+    proto = export_graph(model, im, opset, dynamic, simplify_, dtype, io_dtype, wrapper=DeepStreamHead(model).eval(),
                          output_names=("output",))
     lint = report_lint(proto)
     path = save_onnx(proto, weights.with_suffix(".onnx"), exist_ok)
@@ -63,7 +63,7 @@ def run(weights, size, opset, simplify_, dynamic, batch, device, exist_ok, trust
     LOGGER.info(f"{PREFIX}{'QAT (INT8 Q/DQ)' if quantized else 'standard (float)'} model, {head} head -> "
                 f"{colorstr('bold', path)}, {len(names)} labels -> {labels}")
     return {"onnx": str(path), "labels": str(labels), "quantized": quantized, "head": head, "qdq_pairs": min(q, dq),
-            "precision": precision, "io_dtype": io_dtype, "lint": lint.to_dict()}
+            "dtype": dtype, "io_dtype": io_dtype, "lint": lint.to_dict()}
 
 
 def _load_any_head(weights: Path, device, trust: bool):
@@ -88,9 +88,9 @@ def parse_opt(argv=None):
     p.add_argument("--batch", type=int, default=1, help="static batch size")
     p.add_argument("--device", default="cpu", help="cpu or cuda device")
     p.add_argument("--exist-ok", action="store_true", help="overwrite an existing .onnx")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp16",
+    p.add_argument("--dtype", choices=DTYPES, default="fp16",
                    help="non-INT8 type: fp16 (strongly typed TensorRT 11 / 10.x --stronglyTyped) or fp32 (weak typing)")
-    p.add_argument("--io-dtype", choices=PRECISIONS, default="fp32", help="type of the input and the output")
+    p.add_argument("--io-dtype", choices=DTYPES, default="fp32", help="type of the input and the output")
     p.add_argument("--trust-checkpoint", action="store_true", help="unpickle --weights fully (can run code)")
     opt = p.parse_args(argv)
     if opt.dynamic and opt.batch > 1:

@@ -45,4 +45,5 @@ if [ -z "${YOLOV9_QAT_COMMIT:-}" ] && [ -n "$(git -C "$HERE" status --porcelain 
   commit="$commit-dirty"
 fi
 echo "$commit" > "$DIR/.yolov9_qat_commit"
+echo "$HERE" > "$DIR/.yolov9_qat_source"
 echo "patch_yolov9: $copied file(s) copied, $unchanged already up to date, into $DIR"

@@ -23,7 +23,7 @@ from utils.qdq_lint import LintReport, lint
 
 PREFIX = colorstr("export: ")
 NMS_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
-PRECISIONS = ("fp16", "fp32")
+DTYPES = ("fp16", "fp32")  # the type of everything in a graph that is not INT8
 
 
 def load_for_export(weights: str | Path, device: str | torch.device = "cpu", inplace: bool = False,
@@ -64,19 +64,19 @@ def export_to_proto(model: nn.Module, im: torch.Tensor, opset: int, dynamic: boo
     return proto
 
 
-def export_graph(model: nn.Module, im: torch.Tensor, opset: int, dynamic: bool, simplify_: bool, precision: str,
+def export_graph(model: nn.Module, im: torch.Tensor, opset: int, dynamic: bool, simplify_: bool, dtype: str,
                  io_dtype: str, wrapper: nn.Module | None = None, output_names=("output0",)) -> onnx.ModelProto:
-    """The deployable graph: traced in FP32, optionally simplified, then (precision fp16) with every non-INT8
+    """The deployable graph: traced in FP32, optionally simplified, then (dtype fp16) with every non-INT8
     part in FP16 for strongly typed TensorRT builds (utils/onnx_fp16.py)."""
-    if precision == "fp16":  # FP16 Q/DQ scales need opset 19; traced there, not bumped (Reduce ops changed at 18)
+    if dtype == "fp16":  # FP16 Q/DQ scales need opset 19; traced there, not bumped (Reduce ops changed at 18)
         opset = max(opset, FP16_OPSET)
     proto = export_to_proto(model, im, opset, dynamic, wrapper, output_names)
     if simplify_:
         proto = simplify(proto)
-    if precision == "fp16":
+    if dtype == "fp16":
         proto = to_fp16(proto, io_dtype)
     elif io_dtype != "fp32":
-        raise ValueError("--io-dtype fp16 needs --precision fp16")
+        raise ValueError("--io-dtype fp16 needs --dtype fp16")
     return proto
 
 
@@ -164,7 +164,7 @@ def ort_session(path: str | Path, optimize: bool = False):
     if version < ORT_FP16_QUANTIZE_FIXED and _has_fp16_quantize(path):
         raise ValueError(f"{path}: an FP16 Q/DQ graph, which onnxruntime {ort.__version__} evaluates wrongly (its CPU "
                          "QuantizeLinear truncates FP16 instead of rounding); use onnxruntime >= 1.32, or export "
-                         "with --precision fp32 to check it here")
+                         "with --dtype fp32 to check it here")
     so = ort.SessionOptions()
     so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                    else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)

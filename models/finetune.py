@@ -297,7 +297,7 @@ class FineTuner:
         self.optimizer = optimizer_for(student, recipe)
         self.scaler = torch.amp.GradScaler("cuda") if amp else None
         self.ema = WeightEMA(student, recipe.ema) if recipe.ema else None
-        self.step = 0
+        self.step_count = 0
 
     @property
     def trained(self) -> nn.Module:
@@ -305,47 +305,52 @@ class FineTuner:
         return self.ema.model if self.ema is not None else self.objective.student
 
     def state(self) -> dict:
-        return {"step": self.step, "optimizer": self.optimizer.state_dict(),
+        return {"step": self.step_count, "optimizer": self.optimizer.state_dict(),
                 "scaler": None if self.scaler is None else self.scaler.state_dict(),
                 **({} if self.ema is None else {"ema": self.ema.model, "ema_updates": self.ema.updates})}
 
     def load_state(self, state: dict, device: torch.device) -> None:
-        self.step = state["step"]
+        self.step_count = state["step"]
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None:
             self.ema.model, self.ema.updates = state["ema"].to(device), state["ema_updates"]
 
-    def epoch(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
-              desc: str) -> dict[str, float]:
-        """One epoch of `iters` iterations; the mean of each loss part."""
+    def step(self, images: torch.Tensor, targets: torch.Tensor, masks: torch.Tensor | None) -> dict[str, float]:
+        """One optimizer step at the schedule's learning rate; the loss parts."""
         objective = self.objective
-        student, recipe = objective.student, objective.recipe
-        student.train()
-        objective.teacher.eval()
+        lr = lr_at(self.step_count, self.epochs * self.iters, self.epochs, objective.recipe)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         autocast = torch.autocast("cuda", dtype=torch.float16) if self.scaler is not None else nullcontext()
+        with autocast:
+            loss, parts = objective(images, targets, masks)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update(objective.student)
+        self.step_count += 1
+        return {**parts, "loss": float(loss.detach()), "lr": lr}
+
+    def epoch(self, batches: Iterator[tuple], desc: str) -> dict[str, float]:
+        """One epoch of `iters` iterations over (images 0-1, targets, masks or None, ...) batches; the mean of each
+        loss part."""
+        self.objective.student.train()
+        self.objective.teacher.eval()
         sums: dict[str, float] = {}
         n = 0
         pbar = tqdm(batches, total=self.iters, desc=desc, bar_format=TQDM_BAR_FORMAT)
-        for images, targets, masks in pbar:
-            lr = lr_at(self.step, self.epochs * self.iters, self.epochs, recipe)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            with autocast:
-                loss, parts = objective(images, targets, masks)
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.scaler is not None:
-                self.scaler.scale(loss).backward()
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                loss.backward()
-                self.optimizer.step()
-            if self.ema is not None:
-                self.ema.update(student)
-            self.step, n = self.step + 1, n + 1
-            parts["loss"] = float(loss.detach())
+        for batch in pbar:
+            parts = self.step(*batch[:3])
+            lr = parts.pop("lr")
+            n += 1
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + v
             pbar.set_postfix(loss=f"{parts['loss']:.5f}", lr=f"{lr:.2e}")

@@ -184,10 +184,12 @@ class QuantizeRun:
         LOGGER.info(f"{PREFIX}inserted {report['quantizers']['distinct']} quantizers in {insert_s:.1f}s")
         loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=False)
         n = min(cfg.quant.calib_batches, len(loader))
-        images = (b[0] for b in seeded_batches(loader, inputs.device, n, cfg.seed))
+        seen: list[str] = []
+        images = _images_noting_files(seeded_batches(loader, inputs.device, n, cfg.seed), seen)
         times = calibrate(model, cfg.quant, tqdm(images, total=n, desc=f"{PREFIX}calibrating ({cfg.quant.calib_method})"))
         report["timing"] = {"insert_quantizers_s": round(insert_s, 2), "calib_collect_s": round(times["collect_s"], 2),
-                            "calib_amax_s": round(times["compute_amax_s"], 2), "calib_batches": n}
+                            "calib_amax_s": round(times["compute_amax_s"], 2)}
+        report["calibration_images"] = [Path(f).name for f in seen]  # which images (a peer calibrates on the same)
         report["ptq"] = measure(model, inputs, cfg.nms, "PTQ (int8 fake-quant)") if cfg.eval_ptq else None
         ptq_file = self.weights_dir / f"ptq_ap_{_ap_tag(report['ptq'])}_{self.stem}.pt"
         report["ptq_file"] = str(save_checkpoint(model, ptq_file, stage="ptq", metrics=report["ptq"]))
@@ -319,7 +321,7 @@ def sensitivity(cfg: RunConfig, out: OutputDir) -> dict:
     quantize_model(model, cfg.quant)
     loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=False)
     n = min(cfg.quant.calib_batches, len(loader))
-    calibrate(model, cfg.quant, (b[0] for b in seeded_batches(loader, inputs.device, n, cfg.seed)))
+    calibrate(model, cfg.quant, (b.images for b in seeded_batches(loader, inputs.device, n, cfg.seed)))
     baseline = measure(model, inputs, cfg.nms, "PTQ baseline (all layers INT8)")
     layers = []
     for i, layer in enumerate(model.model):
@@ -356,6 +358,13 @@ def _bar_chart(layers: list[dict], baseline: dict, path: Path) -> None:
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
+
+
+def _images_noting_files(batches, files: list[str]):
+    """The images of `batches`, appending each batch's file names to `files` as it goes."""
+    for b in batches:
+        files.extend(b.paths)
+        yield b.images
 
 
 def _ap_tag(metrics: dict | None) -> str:

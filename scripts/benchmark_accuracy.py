@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
-"""Accuracy benchmark: float vs our PTQ (each calibration method) vs our QAT vs NVIDIA Model Optimizer's ONNX PTQ,
-each in PyTorch and as the deployed Q/DQ ONNX run by ONNX Runtime, plus the TensorRT-readiness lint of each graph.
+"""Accuracy benchmark: float vs PTQ (each calibration method) vs QAT vs its float control (the same fine-tune with
+quantizers disabled) vs NVIDIA Model Optimizer's ONNX PTQ, over seeds, with every choice made on a selection split.
 
     python scripts/benchmark_accuracy.py --dataset helmet --data /data/helmet-416/data.yaml --imgsz 416 \\
-        --models gelan-s=gelan-s.pt gelan-c=gelan-c.pt --device 0 --jobs 3 [--modelopt] [--ablation gelan-s]
-    python scripts/benchmark_accuracy.py --merge            # rebuild OUT/accuracy.json + .md from the finished parts
+        --models gelan-s=assets/gelan-s-helmet.pt --seeds 0 1 2 --device 0 --batch-size 32 [--modelopt]
+    python scripts/benchmark_accuracy.py --render [--check]    # tables in results/, README.md, docs/RESULTS.md
 
-Run from the patched YOLOv9 checkout. Every step is a run of this toolkit's own commands (qat.py, export_qat.py,
-val_trt.py) or of `python -m modelopt.onnx.quantization`, and is skipped when its output exists, so a call that
-ran out of time resumes. Results: OUT/<dataset>/<model>/entry.json per model, OUT/<dataset>/<model>/ablation.json
-for `--ablation`, merged into OUT/accuracy.json and OUT/accuracy.md (`--merge`, also done after each model).
-Model Optimizer (`pip install nvidia-modelopt[onnx]`) is a benchmark dependency only; `--modelopt` says so
-when it is missing.
+Run from the patched YOLOv9 checkout. The training images are split (utils/datasplit.py) into `fit` (calibration
+and fine-tuning) and `select` (every choice: calibration method, best epoch, the peer's method); the val images are
+only measured. Each seed draws its own calibration sample and fine-tuning order. Every step is one of this toolkit's
+commands (qat.py, export_qat.py, val_trt.py) or Model Optimizer's, logged under --work and skipped when its output
+exists, so a call that ran out of time resumes. The result of a model is OUT/<dataset>/<model>/entry.json:
+provenance (commit, command, machine, seeds, split fingerprints, weights sha256) and every per-seed number.
 """
 from __future__ import annotations
 
@@ -22,308 +22,465 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path.cwd()))
 
-from utils.io_utils import atomic_write  # noqa: E402
-from utils.qat_utils import write_json  # noqa: E402
+from utils.datasplit import image_files, write_split  # noqa: E402
+from utils.io_utils import atomic_write, write_json  # noqa: E402
+from utils.provenance import command_line, machine, overlay_repo, sha256, toolkit_commit  # noqa: E402
+from utils.results import difference, fmt, fmt_difference, render_files, spread  # noqa: E402
 
-DATASETS = ("helmet", "demo")
 CALIBRATIONS = {"max": ["--calib-method", "max"], "mse": ["--calib-method", "mse"],
                 "percentile-99.99": ["--calib-method", "percentile", "--percentile", "99.99"],
                 "percentile-99.999": ["--calib-method", "percentile", "--percentile", "99.999"],
                 "entropy": ["--calib-method", "entropy"]}
-MODELOPT_METHODS = ("entropy", "max")  # its default first
-# One factor at a time from the reference recipe; every variant spells out all recipe fields it relies on.
-_REF = ["--recipe", "reference"]
+# QAT recipe variants, each spelled out in full (the default is QATRecipe()'s): judged on select, over seeds
 _HEAD = ["--distill", "head", "--lr-schedule", "cosine"]
 ABLATION = {
-    "lr0": ("sanity: reference loop at lr 0 (must equal PTQ)", [*_REF, "--lr", "0"]),
-    "reference": ("per-layer MSE, Adam 1e-5, step schedule", _REF),
-    "layers-1e-4": ("per-layer MSE, lr 1e-4 cosine", [*_REF, "--lr", "1e-4", "--lr-schedule", "cosine"]),
-    "head-1e-5": ("head outputs (class BCE + box KL), lr 1e-5 cosine", [*_REF, *_HEAD, "--lr", "1e-5"]),
-    "head-1e-4": ("head outputs, lr 1e-4 cosine", [*_REF, *_HEAD, "--lr", "1e-4"]),
-    "head+det": ("head outputs + detection loss on labels, lr 1e-4", [*_REF, *_HEAD, "--lr", "1e-4", "--det-loss", "1"]),
-    "det-only": ("detection loss on labels only, lr 1e-4", [*_REF, "--distill", "none", "--lr-schedule", "cosine",
-                                                            "--lr", "1e-4", "--det-loss", "1"]),
-    "head+amax": ("head outputs + learned amax, lr 1e-4", [*_REF, *_HEAD, "--lr", "1e-4", "--learn-amax"]),
-    "head+ema": ("head outputs + weight EMA 0.995, lr 1e-4", [*_REF, *_HEAD, "--lr", "1e-4", "--ema", "0.995"]),
-    "head+det+amax+ema": ("all of the above", [*_REF, *_HEAD, "--lr", "1e-4", "--det-loss", "1", "--learn-amax",
-                                               "--ema", "0.995"]),
+    "default": ("head distillation + detection loss, Adam 1e-4 cosine", []),
+    "lr-3e-5": ("the default at lr 3e-5", ["--lr", "3e-5"]),
+    "lr-3e-4": ("the default at lr 3e-4", ["--lr", "3e-4"]),
+    "head-only": ("head distillation, no detection loss", [*_HEAD, "--det-loss", "0"]),
+    "det-only": ("detection loss on labels, no teacher", ["--distill", "none", "--det-loss", "1"]),
+    "reference": ("NVIDIA's: per-layer MSE, Adam 1e-5, step schedule", ["--recipe", "reference"]),
+    "ema": ("the default + weight EMA 0.995", ["--ema", "0.995"]),
+    "learn-amax": ("the default + learned activation ranges", ["--learn-amax"]),
 }
+MODELOPT_METHODS = ("max", "entropy")  # Model Optimizer's INT8 calibration methods
+DFL_NODES = ".*dfl.*"  # the box decoder's fixed-weight conv: float in our graphs, so excluded from the peer's too
+REPO = overlay_repo()
+
+
+@dataclass(frozen=True)
+class Bench:
+    dataset: str
+    data: str
+    imgsz: int
+    device: str
+    batch_size: int
+    workers: int
+    seeds: tuple[int, ...]
+    methods: tuple[str, ...]
+    qat_epochs: int
+    iters: int
+    calib_batches: int
+    qat_args: tuple[str, ...]
+    modelopt: bool
+    skip: tuple[str, ...]
+    jobs: int
+    work: Path
+    out: Path
+
+    def common(self, weights: Path, data: Path) -> list[str]:
+        return ["--weights", str(weights), "--data", str(data), "--imgsz", str(self.imgsz), "--device", self.device,
+                "--batch-size", str(self.batch_size), "--calib-batches", str(self.calib_batches), "--workers",
+                str(self.workers)]
 
 
 # --------------------------------------------------------------------------------------------------
 # Steps (each skipped when its output exists)
 # --------------------------------------------------------------------------------------------------
-def _run(cmd: list[str], log: Path) -> None:
+def run_step(cmd: list[str], log: Path) -> None:
     print("+ " + shlex.join(cmd), flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
     if r.returncode:
-        tail = log.read_text()[-1500:]
-        raise RuntimeError(f"{shlex.join(cmd)} failed (exit {r.returncode}); log {log}:\n{tail}")
+        raise RuntimeError(f"{shlex.join(cmd)} failed (exit {r.returncode}); log {log}:\n{log.read_text()[-1500:]}")
 
 
-def qat_run(args: list[str], save_dir: Path) -> dict:
+def quantize_run(args: list[str], save_dir: Path) -> dict:
+    """A `qat.py quantize` run (resumed where it stopped); its report."""
     report = save_dir / "report.json"
     if not (report.is_file() and json.loads(report.read_text()).get("finished")):
         resume = ["--resume", str(save_dir)] if report.is_file() else \
             [*args, "--project", str(save_dir.parent), "--name", save_dir.name, "--exist-ok"]
-        _run([sys.executable, "qat.py", "quantize", *resume], save_dir.with_suffix(".log"))
+        run_step([sys.executable, "qat.py", "quantize", *resume], save_dir.with_suffix(".log"))
     return json.loads(report.read_text())
 
 
-def val_onnx(onnx_file: Path, data: str, imgsz: int, out: Path) -> dict:
-    """mAP of an ONNX model in ONNX Runtime (val_trt.py, square letterbox)."""
-    return _val_trt(["--onnx-file", str(onnx_file)], data, imgsz, out)
-
-
-def val_torch(weights: Path, data: str, imgsz: int, out: Path, device: str) -> dict:
-    """The same loop and letterbox in PyTorch: what the ONNX Runtime figure is compared with."""
-    return _val_trt(["--weights", str(weights), "--device", device], data, imgsz, out)
-
-
-def _val_trt(source: list[str], data: str, imgsz: int, out: Path) -> dict:
+def measure(model: Path, data: Path, out: Path, bench: Bench) -> dict:
+    """mAP of a .pt (PyTorch) or .onnx (ONNX Runtime) through val_trt.py: one loop, one letterbox for all."""
     result = out / "val_trt.json"
     if not result.is_file():
-        _run([sys.executable, "val_trt.py", *source, "--data", data, "--imgsz", str(imgsz), "--batch-size", "8",
-              "--project", str(out.parent), "--name", out.name, "--exist-ok"], out.with_suffix(".log"))
-    return json.loads(result.read_text())
+        source = ["--onnx-file", str(model)] if model.suffix == ".onnx" else ["--weights", str(model), "--device",
+                                                                             bench.device]
+        run_step([sys.executable, "val_trt.py", *source, "--data", str(data), "--imgsz", str(bench.imgsz),
+                  "--batch-size", "8", "--workers", str(bench.workers), "--project", str(out.parent), "--name",
+                  out.name, "--exist-ok"], out.with_suffix(".log"))
+    m = json.loads(result.read_text())
+    return {k: m[k] for k in ("ap", "ap50", "precision", "recall")}
 
 
-def export_onnx(weights: Path, imgsz: int, precision: str = "fp32") -> Path:
-    """FP32 graphs by default: the arithmetic of the PyTorch fake-quant model (what the ONNX Runtime figure is
-    compared with) and Model Optimizer's expected input; fp16 for the strongly typed deployment graph."""
-    onnx_file = weights.with_name(f"{weights.stem}-{precision}.onnx")
+def export(weights: Path, dtype: str, imgsz: int) -> Path:
+    """The deployable graph of a checkpoint: FP32 (PyTorch's arithmetic, Model Optimizer's input) or FP16 (what
+    TensorRT 11 builds), written beside a copy named after it."""
+    onnx_file = weights.with_name(f"{weights.stem}-{dtype}.onnx")
     if not onnx_file.is_file():
-        copy = weights.with_name(onnx_file.stem + ".pt")  # export_qat writes beside its input, named after it
+        copy = weights.with_name(onnx_file.stem + ".pt")
         shutil.copyfile(weights, copy)
-        _run([sys.executable, "export_qat.py", "--weights", str(copy), "--include", "onnx", "--dynamic",
-              "--imgsz", str(imgsz), "--precision", precision, "--exist-ok"], weights.parent / f"{copy.stem}.export.log")
+        run_step([sys.executable, "export_qat.py", "--weights", str(copy), "--include", "onnx", "--dynamic",
+                  "--imgsz", str(imgsz), "--dtype", dtype, "--exist-ok"], copy.with_suffix(".export.log"))
         copy.unlink()
     return onnx_file
 
 
-def lint_summary(onnx_file: Path, share_add_inputs: bool = True) -> dict:
+def lint_summary(onnx_file: Path) -> dict:
+    """Counted by one rule for every graph (ours and the peer's): utils/qdq_lint.py."""
     from utils.qdq_lint import lint_file
-    report = lint_file(onnx_file, share_add_inputs)
-    return {"qdq_nodes": report.quantize_nodes, "convs": report.convs, "quantized_convs": report.quantized_convs,
-            "unshared_joins": len(report.unshared_joins), "unquantized_convs": len(report.unquantized_convs),
-            "precision": report.precision, "fp32_compute": len(report.fp32_compute)}
-
-
-def calibration_images(data: str, imgsz: int, n: int, path: Path) -> Path:
-    """`n` training images, square-letterboxed as val_trt.py feeds them, as one float32 array (Model Optimizer's
-    --calibration_data_path)."""
-    if path.is_file():
-        return path
-    import numpy as np
-    from utils.dataloaders import LoadImages
-    from utils.qat_utils import load_data
-    train = load_data(data)["train"]
-    images = []
-    for _, im, *_ in LoadImages(train[0] if isinstance(train, list) else train, img_size=imgsz, stride=32,
-                                auto=False):
-        images.append(im.astype(np.float32) / 255)
-        if len(images) == n:
-            break
-    atomic_write(path, lambda tmp: np.save(open(tmp, "wb"), np.stack(images)))
-    return path
-
-
-def modelopt_ptq(fp_onnx: Path, calib: Path, method: str, out: Path) -> Path:
-    """NVIDIA Model Optimizer's ONNX INT8 PTQ (CPU calibration, FP32 graph like ours)."""
-    if not out.is_file():
-        _run([sys.executable, "-m", "modelopt.onnx.quantization", "--onnx_path", str(fp_onnx), "--quantize_mode",
-              "int8", "--calibration_method", method, "--calibration_data_path", str(calib), "--calibration_eps",
-              "cpu", "--high_precision_dtype", "fp32", "--output_path", str(out)], out.with_suffix(".log"))
-    return out
+    report = lint_file(onnx_file)
+    return {"qdq_nodes": report.quantize_nodes, "quantized_convs": report.quantized_convs, "convs": report.convs,
+            "unshared_joins": len(report.unshared_joins), "unquantized_convs": len(report.unquantized_convs)}
 
 
 # --------------------------------------------------------------------------------------------------
 # One model
 # --------------------------------------------------------------------------------------------------
-def benchmark_model(name: str, weights: Path, data: str, dataset: str, imgsz: int, device: str, batch_size: int,
-                    qat_epochs: int, iters: int, qat_args: list[str], out: Path, jobs: int, workers: int,
-                    calib_batches: int, modelopt: bool, calib_images: int, train_epochs: int | None,
-                    ort_all_ptq: bool = False) -> dict:
-    root = out / dataset / name
-    common = ["--weights", str(weights), "--data", data, "--imgsz", str(imgsz), "--device", device,
-              "--batch-size", str(batch_size), "--calib-batches", str(calib_batches), "--workers", str(workers)]
-    with ThreadPoolExecutor(jobs) as pool:
-        ptq = dict(zip(CALIBRATIONS, pool.map(
-            lambda m: qat_run([*common, *CALIBRATIONS[m], "--epochs", "0",
-                               *([] if m == "max" else ["--no-eval-origin"])], root / f"ptq-{m}"), CALIBRATIONS)))
-    best_method = max(ptq, key=lambda m: ptq[m]["ptq"]["ap"])
-    qat_args = qat_args() if callable(qat_args) else qat_args
-    # Model Optimizer calibrates on the CPU (ONNX Runtime): it runs beside QAT, which holds the GPU
-    with ThreadPoolExecutor(1) as peer_pool:
-        peer = peer_pool.submit(modelopt_peer, weights, data, imgsz, root, calib_images) if modelopt else None
-        qat = qat_run([*common, *CALIBRATIONS[best_method], "--epochs", str(qat_epochs), "--iters", str(iters),
-                       "--no-eval-origin", *qat_args], root / "qat")
-    entry = {"model": name, "dataset": dataset, "data": data, "weights": str(weights), "imgsz": imgsz,
-             "train_epochs": train_epochs, "where": _gpu_name(device), "fp": ptq["max"]["origin"],
-             "ptq": {m: {**r["ptq"], "calib_s": r["timing"]["calib_collect_s"] + r["timing"]["calib_amax_s"]}
-                     for m, r in ptq.items()},
-             "qat_calibration": best_method, "qat_recipe": qat["qat_recipe"], "qat_args": qat_args,
-             "qat_epochs": qat["qat"], "qat": {k: qat["qat_best"][k] for k in ("ap", "ap50", "precision", "recall",
-                                                                               "epoch")}}
-    # deployed graphs in ONNX Runtime (QAT and the best PTQ; --ort-all-ptq: every PTQ method), and the same .pt
-    # through the same loop in PyTorch
-    qat_best = Path(qat["qat_best_file"])
-    deploy = {f"ptq-{m}": Path(r["ptq_file"]) for m, r in ptq.items() if ort_all_ptq or m == best_method}
-    deploy["qat"] = qat_best
-    with ThreadPoolExecutor(max(1, jobs // 2)) as pool:
-        onnx_files = dict(zip(deploy, pool.map(lambda w: export_onnx(w, imgsz), deploy.values())))
-    onnx_files["qat-fp16"] = export_onnx(qat_best, imgsz, "fp16")  # the graph TensorRT 11 builds
-    entry["ort"] = {k: val_onnx(f, data, imgsz, root / f"ort-{k}") for k, f in onnx_files.items()}
-    entry["torch_square"] = {"qat": val_torch(qat_best, data, imgsz, root / "torch-qat", device)}
-    entry["lint"] = {k: lint_summary(f) for k, f in onnx_files.items() if k in ("qat", "qat-fp16", f"ptq-{best_method}")}
-    if peer is not None:
-        entry["modelopt"] = peer.result()
-    write_json(root / "entry.json", entry)
-    return entry
+class ModelBench:
+    def __init__(self, bench: Bench, name: str, weights: Path):
+        self.bench, self.name, self.weights = bench, name, weights.resolve()
+        self.work = bench.work / bench.dataset / name
+        self.split = write_split(bench.data, bench.work / bench.dataset / "split")
+        self.report_yaml = self._report_yaml()
+
+    def _report_yaml(self) -> Path:
+        """The split's yaml with val = the reported val images (train stays fit)."""
+        import yaml
+        spec = yaml.safe_load(self.split.read_text())
+        spec["val"] = spec.pop("test")
+        path = self.split.with_name("report.yaml")
+        atomic_write(path, lambda tmp: Path(tmp).write_text(yaml.safe_dump(spec, sort_keys=False)))
+        return path
+
+    def pool(self):
+        return ThreadPoolExecutor(self.bench.jobs)
+
+    def on_both(self, model: Path, out: Path) -> dict:
+        return {"select": measure(model, self.split, out / "select", self.bench),
+                "val": measure(model, self.report_yaml, out / "val", self.bench)}
+
+    def ptq(self) -> dict:
+        """Every calibration method x seed: PTQ measured on select (in the run) and on val."""
+        b = self.bench
+        jobs = [(m, s) for m in b.methods for s in b.seeds]
+
+        def one(job):
+            m, s = job
+            d = self.work / f"ptq-{m}-seed{s}"
+            r = quantize_run([*b.common(self.weights, self.split), *CALIBRATIONS[m], "--seed", str(s), "--epochs", "0",
+                              "--no-eval-origin"], d)
+            return {"select": r["ptq"], "val": measure(Path(r["ptq_file"]), self.report_yaml, d / "val", b),
+                    "calib_s": round(r["timing"]["calib_collect_s"] + r["timing"]["calib_amax_s"], 2),
+                    "calibration_sample": sample_id(r["calibration_images"]),
+                    "calibration_images": r["calibration_images"], "file": r["ptq_file"]}
+        with self.pool() as pool:
+            runs = dict(zip(jobs, pool.map(one, jobs)))
+        return {m: {str(s): runs[(m, s)] for s in b.seeds} for m in b.methods}
+
+    def finetune(self, method: str, control: bool) -> dict:
+        """QAT (or its float control) per seed: the best epoch on select, and the last, each measured on val."""
+        b, kind = self.bench, "fpft" if control else "qat"
+
+        def one(s):
+            d = self.work / f"{kind}-seed{s}"
+            r = quantize_run([*b.common(self.weights, self.split), *CALIBRATIONS[method], "--seed", str(s),
+                              "--epochs", str(b.qat_epochs), "--iters", str(b.iters), "--no-eval-origin",
+                              "--no-eval-ptq", *b.qat_args, *(["--float-control"] if control else [])], d)
+            best, last = Path(r["qat_best_file"]), Path(r["qat"][-1]["file"])
+            return {"recipe": r["config"]["qat"], "best_epoch": r["qat_best"]["epoch"],
+                    "select_by_epoch": [e["ap"] for e in r["qat"]], "best_file": str(best),
+                    "val_best": measure(best, self.report_yaml, d / "val-best", b),
+                    "val_last": measure(last, self.report_yaml, d / "val-last", b)}
+        with self.pool() as pool:
+            return dict(zip(map(str, b.seeds), pool.map(one, b.seeds)))
+
+    def ablation(self, method: str) -> dict:
+        """Every recipe variant x seed from the chosen PTQ: the best epoch's select mAP (val is not looked at)."""
+        b = self.bench
+        jobs = [(v, s) for v in ABLATION for s in b.seeds]
+
+        def one(job):
+            v, s = job
+            r = quantize_run([*b.common(self.weights, self.split), *CALIBRATIONS[method], "--seed", str(s), "--epochs",
+                              str(b.qat_epochs), "--iters", str(b.iters), "--no-eval-origin", "--no-eval-ptq",
+                              *ABLATION[v][1]], self.work / f"ablation-{v}-seed{s}")
+            return r["qat_best"]["ap"]
+        with self.pool() as pool:
+            runs = dict(zip(jobs, pool.map(one, jobs)))
+        rows = {v: {"what": ABLATION[v][0], "args": ABLATION[v][1],
+                    "select_best": spread([runs[(v, s)] for s in b.seeds])} for v in ABLATION}
+        for row in rows.values():
+            row["vs_default"] = difference(row["select_best"], rows["default"]["select_best"])
+        result = {"model": self.name, "dataset": b.dataset, "calibration": method, "provenance": self.provenance(),
+                  "settings": self.settings(), "variants": rows}
+        write_json(b.out / b.dataset / self.name / "ablation.json", result)
+        return result
+
+    def deployed(self, qat: dict) -> dict:
+        """The QAT best-on-select checkpoint of every seed as the FP32 and the FP16 graph, in ONNX Runtime on val."""
+        b, out = self.bench, {}
+        for dtype in ("fp32", "fp16"):
+            graphs = {s: export(Path(r["best_file"]), dtype, b.imgsz) for s, r in qat.items()}
+            with self.pool() as pool:
+                vals = pool.map(lambda s: measure(graphs[s], self.report_yaml, self.work / f"ort-{dtype}-seed{s}", b),
+                                graphs)
+                out[dtype] = {s: {"val": v, "lint": lint_summary(graphs[s])} for s, v in zip(graphs, vals)}
+        return out
+
+    def modelopt(self, ptq_choice: dict) -> dict:
+        """Model Optimizer's ONNX INT8 PTQ of the float model, each method x seed, calibrated on the very images our
+        calibration of that seed used (count and identity), the DFL conv kept float as in ours."""
+        b = self.bench
+        fp_onnx = export(self._float_copy(), "fp32", b.imgsz)
+        jobs = [(m, s) for m in MODELOPT_METHODS for s in b.seeds]
+
+        def one(job):
+            m, s = job
+            files = ptq_choice[str(s)]["calibration_images"]
+            calib = calibration_array(self.split, files, b.imgsz, self.work / f"modelopt-calib-seed{s}.npy")
+            q = self.work / f"modelopt-{m}-seed{s}" / "model.onnx"
+            if not q.is_file():  # its own copy of the input: Model Optimizer writes intermediate files beside it
+                q.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(fp_onnx, q.with_name("float.onnx"))
+                run_step([sys.executable, "-m", "modelopt.onnx.quantization", "--onnx_path", str(q.with_name("float.onnx")),
+                          "--quantize_mode", "int8", "--calibration_method", m, "--calibration_data_path", str(calib),
+                          "--calibration_eps", "cpu", "--high_precision_dtype", "fp32", "--nodes_to_exclude", DFL_NODES,
+                          "--output_path", str(q)], q.with_suffix(".log"))
+            return {**self.on_both(q, self.work / f"ort-modelopt-{m}-seed{s}"), "lint": lint_summary(q),
+                    "calib_images": len(files), "calibration_sample": sample_id(files)}
+        with self.pool() as pool:
+            runs = dict(zip(jobs, pool.map(one, jobs)))
+        return {m: {str(s): runs[(m, s)] for s in b.seeds} for m in MODELOPT_METHODS}
+
+    def _float_copy(self) -> Path:
+        copy = self.work / f"fp-{self.weights.name}"  # exports are written beside their .pt: not the user's folder
+        if not copy.is_file():
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.weights, copy)
+        return copy
+
+    def run(self, ablation: bool = False) -> dict:
+        fp = self.on_both(self.weights, self.work / "fp")
+        ptq = self.ptq()
+        choice = max(ptq, key=lambda m: spread([r["select"]["ap"] for r in ptq[m].values()])["mean"])
+        if ablation:
+            self.ablation(choice)
+        skip = self.bench.skip
+        entry = {"model": self.name, "dataset": self.bench.dataset, "imgsz": self.bench.imgsz,
+                 "provenance": self.provenance(), "settings": self.settings(), "fp": fp,
+                 "ptq": {m: {s: _public(r) for s, r in runs.items()} for m, runs in ptq.items()},
+                 "ptq_choice": choice, "not_run": list(skip)}
+        ours = Path(ptq[choice][str(self.bench.seeds[0])]["file"])  # the deployed graph of our best stage
+        if "qat" not in skip:
+            qat = self.finetune(choice, control=False)
+            entry["qat"] = {s: _public(r) for s, r in qat.items()}
+            ours = Path(qat[str(self.bench.seeds[0])]["best_file"])
+            if "ort" not in skip:
+                entry["ort"] = self.deployed(qat)
+        if "fp_ft" not in skip:
+            entry["fp_ft"] = {s: _public(r) for s, r in self.finetune(choice, control=True).items()}
+        if self.bench.modelopt:
+            peer = self.modelopt(ptq[choice])
+            entry["modelopt"] = peer
+            entry["modelopt_choice"] = max(peer, key=lambda m: spread([r["select"]["ap"] for r in peer[m].values()])
+                                           ["mean"])
+            entry["ours_lint"] = {"graph": "qat" if "qat" in entry else f"ptq-{choice}",
+                                  **lint_summary(export(ours, "fp32", self.bench.imgsz))}
+        entry["summary"] = summarize(entry)
+        write_json(self.bench.out / self.bench.dataset / self.name / "entry.json", entry)
+        return entry
+
+    def provenance(self) -> dict:
+        import yaml
+        digest = sha256(self.weights)
+        train = self.bench.out / self.bench.dataset / self.name / "float" / "train.json"
+        trained = json.loads(train.read_text()) if train.is_file() else {}
+        return {"commit": toolkit_commit(), "command": command_line(), "machine": machine(),
+                "weights": str(self.weights.relative_to(REPO) if self.weights.is_relative_to(REPO) else self.weights),
+                "weights_sha256": digest, "seeds": list(self.bench.seeds),
+                "split": yaml.safe_load(self.split.read_text())["split"],
+                "float_training": {k: trained[k] for k in ("epochs_run", "best_epoch", "best_select_map", "converged")}
+                if trained.get("weights_sha256") == digest else None}
+
+    def settings(self) -> dict:
+        return {k: v for k, v in asdict(self.bench).items() if k not in ("work", "out", "data", "jobs", "device",
+                                                                        "skip")}
 
 
-def modelopt_peer(weights: Path, data: str, imgsz: int, root: Path, calib_images: int) -> dict:
-    if importlib.util.find_spec("modelopt") is None:
-        raise RuntimeError("--modelopt: nvidia-modelopt is not installed (pip install 'nvidia-modelopt[onnx]'); "
-                           "it is a benchmark dependency only")
-    fp_copy = root / f"fp-{weights.name}"  # the float ONNX is written beside its .pt: not into the user's folder
-    if not fp_copy.is_file():
-        shutil.copyfile(weights, fp_copy)
-    fp_onnx = export_onnx(fp_copy, imgsz, "fp32")
-    calib = calibration_images(data, imgsz, calib_images, root.parent / f"modelopt-calib-{imgsz}-{calib_images}.npy")
-    results = {}
-    for method in MODELOPT_METHODS:
-        q = modelopt_ptq(fp_onnx, calib, method, root / f"modelopt-{method}.onnx")
-        results[method] = {**val_onnx(q, data, imgsz, root / f"ort-modelopt-{method}"), "lint": lint_summary(q),
-                           "calib_images": calib_images}
-    return results
+def _public(run: dict) -> dict:
+    """A run's numbers without machine-local paths and file lists (the sample is identified by its digest)."""
+    return {k: v for k, v in run.items() if k not in ("best_file", "calibration_images", "file")}
 
 
-def ablation(name: str, weights: Path, data: str, dataset: str, imgsz: int, device: str, batch_size: int,
-             qat_epochs: int, iters: int, out: Path, jobs: int, workers: int, calib_batches: int,
-             calib_method: str) -> dict:
-    """QAT variants from the same PTQ model (calibration is seeded: every run starts from the same amax), plus
-    PTQ without the TensorRT scale-sharing rules (what the rules cost in accuracy)."""
-    root = out / dataset / name / "ablation"
-    common = ["--weights", str(weights), "--data", data, "--imgsz", str(imgsz), "--device", device,
-              "--batch-size", str(batch_size), "--calib-batches", str(calib_batches), "--workers", str(workers),
-              *CALIBRATIONS[calib_method], "--no-eval-origin", "--epochs", str(qat_epochs), "--iters", str(iters)]
-    with ThreadPoolExecutor(jobs) as pool:
-        runs = dict(zip(ABLATION, pool.map(lambda v: qat_run([*common, *ABLATION[v][1]], root / v), ABLATION)))
-    rows = {v: {"description": ABLATION[v][0], "args": ABLATION[v][1], "recipe": r["qat_recipe"], "ptq": r["ptq"],
-                "epochs": [{k: e[k] for k in ("epoch", "ap", "ap50", "loss", "distill", "det") if k in e}
-                           for e in r["qat"]], "best": {k: r["qat_best"][k] for k in ("ap", "ap50", "epoch")}}
-            for v, r in runs.items()}
-    result = {"model": name, "dataset": dataset, "calib_method": calib_method, "qat_epochs": qat_epochs,
-              "iters": iters, "batch_size": batch_size, "variants": rows, "table": ablation_table(rows)}
-    write_json(root.parent / "ablation.json", result)
-    atomic_write(root.parent / "ablation.md", lambda tmp: Path(tmp).write_text(result["table"] + "\n"))
-    print(result["table"], flush=True)
-    return result
+def sample_id(names: list[str]) -> str:
+    """Which images a calibration used, as a digest of their names in the order drawn."""
+    import hashlib
+    return hashlib.md5("\n".join(names).encode()).hexdigest()
 
 
-def best_variant_args(ablation_json: Path, wait_s: float = 0) -> list[str]:
-    """The qat.py flags of the ablation's best variant (by best-epoch mAP50-95; the lr-0 sanity run excluded),
-    waiting up to `wait_s` for an ablation that another process is running."""
-    deadline = time.monotonic() + wait_s
-    while not ablation_json.is_file() and time.monotonic() < deadline:
-        time.sleep(10)
-    if not ablation_json.is_file():
-        raise FileNotFoundError(f"--qat-from-ablation: {ablation_json} not found; run --ablation first")
-    rows = json.loads(ablation_json.read_text())["variants"]
-    best = max((v for v in rows if v != "lr0"), key=lambda v: rows[v]["best"]["ap"])
-    print(f"benchmark_accuracy: QAT recipe from the ablation's best variant {best!r}: {rows[best]['description']}",
-          flush=True)
-    return list(rows[best]["args"])
-
-
-def _gpu_name(device: str) -> str:
-    import torch
-    return torch.cuda.get_device_name(0) if device != "cpu" and torch.cuda.is_available() else "cpu"
+def calibration_array(split_yaml: Path, names: list[str], imgsz: int, path: Path) -> Path:
+    """The named fit images, square-letterboxed as the pipeline's calibration loader gives them, float32 0-1
+    NCHW (Model Optimizer's --calibration_data_path)."""
+    if path.is_file():
+        return path
+    import numpy as np
+    import yaml
+    from utils.dataloaders import LoadImages
+    fit = {f.name: f for f in image_files(yaml.safe_load(split_yaml.read_text())["train"])}
+    missing = [n for n in names if n not in fit]
+    if missing:
+        raise ValueError(f"calibration images not in the fit split: {missing[:3]}")
+    images = [im.astype(np.float32) / 255 for _, im, *_ in
+              (next(iter(LoadImages(str(fit[n]), img_size=imgsz, stride=32, auto=False))) for n in names)]
+    atomic_write(path, lambda tmp: np.save(open(tmp, "wb"), np.stack(images)))
+    return path
 
 
 # --------------------------------------------------------------------------------------------------
-# Tables
+# Summary: mean +- std over seeds, and what is within noise
 # --------------------------------------------------------------------------------------------------
-def ablation_table(rows: dict) -> str:
-    n = max(len(r["epochs"]) for r in rows.values())
-    head = ["Variant", "What", "PTQ", *[f"ep {i + 1}" for i in range(n)], "Best (epoch)", "vs PTQ", "Loss first -> last"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for v, r in rows.items():
-        eps = [f"{e['ap']:.4f}" for e in r["epochs"]] + ["-"] * (n - len(r["epochs"]))
-        loss = f"{r['epochs'][0]['loss']:.4g} -> {r['epochs'][-1]['loss']:.4g}" if r["epochs"] else "-"
-        lines.append(f"| {v} | {r['description']} | {r['ptq']['ap']:.4f} | " + " | ".join(eps) +
-                     f" | {r['best']['ap']:.4f} ({r['best']['epoch']}) | {r['best']['ap'] - r['ptq']['ap']:+.4f} | {loss} |")
+def summarize(e: dict) -> dict:
+    """Mean +- std over seeds of every stage that ran, on val, and the differences the claims rest on."""
+    over = lambda runs, key: spread([r[key]["ap"] for r in runs.values()])  # noqa: E731
+    s = {"fp": spread([e["fp"]["val"]["ap"]]),
+         "ptq": {m: over(runs, "val") for m, runs in e["ptq"].items()},
+         "ptq_select": {m: over(runs, "select") for m, runs in e["ptq"].items()}}
+    best_ptq = s["ptq"][e["ptq_choice"]]
+    s["best_ptq_vs_fp"] = difference(best_ptq, s["fp"])
+    if "qat" in e:
+        s["qat_best"], s["qat_last"] = over(e["qat"], "val_best"), over(e["qat"], "val_last")
+        s["user_gain"] = difference(s["qat_best"], s["fp"])                    # QAT - the float model
+        s["qat_vs_best_ptq"] = difference(s["qat_best"], best_ptq)
+    if "fp_ft" in e:
+        s["fp_ft_best"], s["fp_ft_last"] = over(e["fp_ft"], "val_best"), over(e["fp_ft"], "val_last")
+    if "qat" in e and "fp_ft" in e:
+        s["quantization_cost"] = difference(s["qat_best"], s["fp_ft_best"])   # QAT - its float control
+    if "ort" in e:
+        s["ort"] = {d: over(runs, "val") for d, runs in e["ort"].items()}
+        s["ort_vs_pytorch"] = {d: difference(v, s["qat_best"]) for d, v in s["ort"].items()}
+    if "modelopt" in e:
+        s["modelopt"] = {m: over(runs, "val") for m, runs in e["modelopt"].items()}
+        peer = s["modelopt"][e["modelopt_choice"]]
+        s["ptq_vs_modelopt"] = difference(best_ptq, peer)
+        if "qat" in e:
+            s["qat_vs_modelopt"] = difference(s["qat_best"], peer)
+    return s
+
+
+# --------------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------------
+def entries(out: Path) -> list[dict]:
+    return [json.loads(f.read_text()) for f in sorted(out.glob("*/*/entry.json"))]
+
+
+def model_table(e: dict) -> str:
+    """One model: every stage's mAP50-95 on val (mean +- std over seeds) and on select where choices were made."""
+    s, seeds = e["summary"], len(e["provenance"]["seeds"])
+    not_run = "not run (" + ", ".join(e.get("not_run", [])) + " skipped)"
+    rows = [("FP32 (the trained model)", s["fp"], fmt(spread([e["fp"]["select"]["ap"]])))]
+    for m in s["ptq"]:
+        chosen = " (chosen on select)" if m == e["ptq_choice"] else ""
+        rows.append((f"PTQ {m}{chosen}", s["ptq"][m], fmt(s["ptq_select"][m])))
+    for key, name in (("fp_ft_best", "FP fine-tune control, best epoch on select"),
+                      ("fp_ft_last", "FP fine-tune control, last epoch"), ("qat_best", "QAT, best epoch on select"),
+                      ("qat_last", "QAT, last epoch")):
+        rows.append((name, s.get(key), "" if key in s else not_run))
+    for dtype, name in (("fp32", "QAT, FP32 Q/DQ graph in ONNX Runtime"),
+                        ("fp16", "QAT, FP16 Q/DQ graph in ONNX Runtime (TensorRT 11's)")):
+        rows.append((name, s.get("ort", {}).get(dtype), "" if "ort" in s else not_run))
+    for m, v in s.get("modelopt", {}).items():
+        chosen = " (chosen on select)" if m == e.get("modelopt_choice") else ""
+        rows.append((f"Model Optimizer ONNX PTQ {m}{chosen}", v,
+                     fmt(spread([r["select"]["ap"] for r in e["modelopt"][m].values()]))))
+    machine_ = e["provenance"]["machine"]
+    lines = [f"**{e['model']}** on {e['dataset']} ({e['provenance']['split']['images']['val']} val images, "
+             f"imgsz {e['imgsz']}; {seeds} seeds; {machine_['gpu'] or 'CPU: ' + machine_['cpu']}; commit "
+             f"{e['provenance']['commit'][:10]})", "",
+             "| Stage | mAP50-95 val, mean ± std (seeds) | mAP50-95 select |", "|---|---|---|"]
+    lines += [f"| {name} | {fmt(v)} | {sel} |" for name, v, sel in rows]
+    claims = [("Quantization cost (QAT - its FP control)", s.get("quantization_cost")),
+              ("Gain over the float model (QAT - FP32)", s.get("user_gain")),
+              ("QAT - best PTQ", s.get("qat_vs_best_ptq")), ("Best PTQ - FP32", s.get("best_ptq_vs_fp"))]
+    lines += [""] + [f"- {name}: {fmt_difference(d)}" for name, d in claims if d]
+    if "ort_vs_pytorch" in s:
+        lines.append("- Deployed graphs - PyTorch: " + ", ".join(f"{d} {fmt_difference(v)}"
+                                                                  for d, v in s["ort_vs_pytorch"].items()))
+    if "modelopt" in s:
+        ours = "QAT" if "qat_vs_modelopt" in s else "best PTQ"
+        lint = e["modelopt"][e["modelopt_choice"]][str(e["provenance"]["seeds"][0])]["lint"]
+        lines.append(f"- {ours} - Model Optimizer ({e['modelopt_choice']}): "
+                     f"{fmt_difference(s.get('qat_vs_modelopt') or s['ptq_vs_modelopt'])}; unshared-scale joins: "
+                     f"ours {e['ours_lint']['unshared_joins']}, Model Optimizer {lint['unshared_joins']}")
     return "\n".join(lines)
 
 
-def accuracy_table(entries: list[dict]) -> str:
-    """Markdown: one row per model and stage, PyTorch and ONNX Runtime side by side, delta to float."""
-    lines = ["| Data | Where | Model | Stage | mAP50-95 PyTorch | mAP50-95 ONNX Runtime | mAP50 | delta vs FP | "
-             "lint: unshared joins |", "|---|---|---|---|---|---|---|---|---|"]
-    for e in entries:
-        fp = e["fp"]["ap"]
-        ort, lint = e.get("ort", {}), e.get("lint", {})
-
-        def row(stage, torch_m, ort_m=None, lint_key=None):
-            t = f"{torch_m['ap']:.4f}" if torch_m else "-"
-            o = f"{ort_m['ap']:.4f}" if ort_m else "-"
-            ap50 = (torch_m or ort_m)["ap50"]
-            delta = (torch_m or ort_m)["ap"] - fp
-            joins = lint.get(lint_key, {}).get("unshared_joins", "-") if lint_key else "-"
-            ap50 = f"{ap50:.4f}" if ap50 is not None else "-"
-            lines.append(f"| {e['dataset']} | {e['where']} | {e['model']} | {stage} | {t} | {o} | {ap50} | {delta:+.4f} | "
-                         f"{joins} |")
-        row(f"FP32 ({e.get('train_epochs') or '?'} training epochs)", e["fp"])
-        for m, r in e["ptq"].items():
-            row(f"PTQ {m}", r, ort.get(f"ptq-{m}"), f"ptq-{m}")
-        recipe = e.get("qat_recipe", {})
-        what = ", ".join(f"{k} {v}" for k, v in recipe.items() if k in ("distill", "det_loss", "lr") and v)
-        row(f"QAT ({e['qat_calibration']}; {what}), best epoch {e['qat']['epoch']}", e["qat"], ort.get("qat"), "qat")
-        if ort.get("qat-fp16"):
-            row("QAT, FP16 Q/DQ graph (TensorRT 11's)", None, ort["qat-fp16"], "qat-fp16")
-        if e.get("torch_square"):
-            row("QAT, PyTorch through val_trt.py (the ONNX Runtime row's letterbox)", e["torch_square"]["qat"])
-        for m, r in e.get("modelopt", {}).items():
-            lines.append(f"| {e['dataset']} | {e['where']} | {e['model']} | Model Optimizer ONNX PTQ ({m}, "
-                         f"{r['calib_images']} images) | - | {r['ap']:.4f} | {r['ap50']:.4f} | {r['ap'] - fp:+.4f} | "
-                         f"{r['lint']['unshared_joins']} |")
-    return "\n".join(lines)
+def training_table(out: Path) -> str:
+    """The float models' trainings (scripts/train_float.py): how long, the best select epoch, convergence."""
+    rows = []
+    for f in sorted(out.glob("*/*/float/train.json")):
+        t = json.loads(f.read_text())
+        start = t["started"]
+        rows.append(f"| {f.parts[-4]} | {t['model']} | {t['epochs_run']} of {t['max_epochs']} | {t['best_epoch']} | "
+                    f"{t['best_select_map']:.4f} | {'yes' if t['converged'] else 'no'} ({t['epochs_since_best']} epochs "
+                    f"since the best, patience {t['patience']}) | {start['machine']['gpu']} | "
+                    f"[curve](../{f.parent.relative_to(out.parent)}/curve.png) |")
+    if not rows:
+        return "No float training recorded yet."
+    return "\n".join(["| Data | Model | Epochs run | Best epoch | Best select mAP50-95 | Converged | GPU | Curve |",
+                      "|---|---|---|---|---|---|---|---|", *rows])
 
 
-def segmentation_table(entries: list[dict]) -> str:
-    """Markdown: box and mask mAP50-95 per stage, and the deployed graph in ONNX Runtime next to PyTorch."""
-    lines = ["| Data | Model | FP32 box / mask | PTQ mse | QAT best (epoch) | ONNX Runtime | PyTorch, same loop |",
-             "|---|---|---|---|---|---|---|"]
-    pair = lambda m: f"{m['ap']:.4f} / {m['mask_ap']:.4f}"  # noqa: E731
-    for e in entries:
-        lines.append(f"| {e['data']} | {e['model']} ({e['train_epochs']} epochs) | {pair(e['fp'])} | "
-                     f"{pair(e['ptq']['mse'])} | {pair(e['qat'])} ({e['qat']['epoch']}) | {pair(e['ort']['qat'])} | "
-                     f"{pair(e['torch_square']['qat'])} |")
-    return "\n".join(lines)
+def costs_table(out: Path) -> str:
+    """QAT step vs its float control's step (scripts/benchmark_costs.py)."""
+    rows = []
+    for f in sorted((out / "costs").glob("*.json")):
+        c = json.loads(f.read_text())
+        rows.append(f"| {c['model']} | {c['batch_size']} x {c['imgsz']} | {c['machine']['gpu'] or 'CPU'} | "
+                    f"{c['control_step_s']['median']:.4f} | {c['qat_step_s']['median']:.4f} | "
+                    f"{c['ratio']:.2f}x | {c['steps']} each, interleaved |")
+    if not rows:
+        return "No cost measurement recorded yet."
+    return "\n".join(["| Model | Batch x size | GPU | FP control step (s, median) | QAT step (s, median) | QAT / FP | "
+                      "Steps |", "|---|---|---|---|---|---|---|", *rows])
 
 
-def merge(out: Path) -> dict:
-    """OUT/accuracy.json and .md from the detection entries (OUT/<dataset>/<model>/entry.json) and the
-    segmentation entries (OUT/segment/*.json, written from `qat.py quantize` and `val_trt.py` runs)."""
-    entries = [json.loads(f.read_text()) for d in DATASETS for f in sorted((out / d).glob("*/entry.json"))]
-    entries.sort(key=lambda e: (DATASETS.index(e["dataset"]), e["where"] == "cpu", e["model"]))
-    segment = [json.loads(f.read_text()) for f in sorted((out / "segment").glob("*.json"))]
-    table = accuracy_table(entries) if entries else ""
-    if segment:
-        table += "\n\nSegmentation (mAP50-95, box / mask):\n\n" + segmentation_table(segment)
-    result = {"entries": entries, "segment": segment, "table": table}
-    write_json(out / "accuracy.json", result)
-    atomic_write(out / "accuracy.md", lambda tmp: Path(tmp).write_text(result["table"] + "\n"))
-    return result
+def demo_table(out: Path) -> str:
+    """The demo's last recorded run (scripts/demo.sh with RECORD=1)."""
+    f = out / "demo" / "demo.json"
+    if not f.is_file():
+        return "No demo run recorded yet."
+    d = json.loads(f.read_text())
+    return (f"{d['table']}\n\n({d['where']}, {d['date']}, commit {d['commit'][:10]}: {d['minutes']:.1f} min in all; "
+            f"{d['data']}. A single run: on another CPU the same commands move these figures by up to about 0.01.)")
+
+
+def ablation_table(out: Path) -> str:
+    """Recipe variants on the select split (scripts/benchmark_accuracy.py --ablation)."""
+    parts = []
+    for f in sorted(out.glob("*/*/ablation.json")):
+        a = json.loads(f.read_text())
+        lines = [f"**{a['model']}** on {a['dataset']}, select split, from PTQ {a['calibration']} "
+                 f"({len(a['provenance']['seeds'])} seeds, commit {a['provenance']['commit'][:10]})", "",
+                 "| Variant | What | Best-epoch mAP50-95 on select | vs default |", "|---|---|---|---|"]
+        lines += [f"| {v} | {r['what']} | {fmt(r['select_best'])} | {fmt_difference(r['vs_default'])} |"
+                  for v, r in a["variants"].items()]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) if parts else "No ablation recorded yet."
+
+
+def rendered(out: Path) -> dict[Path, dict[str, str]]:
+    """Every rendered block, by file: results/accuracy.md, docs/RESULTS.md and README.md."""
+    tables = [model_table(e) for e in entries(out)]
+    accuracy = "\n\n".join(tables) if tables else "No benchmark entry yet."
+    root = out.parent
+    return {out / "accuracy.md": {"accuracy": accuracy},
+            root / "docs" / "RESULTS.md": {"accuracy": accuracy, "float-training": training_table(out),
+                                           "ablation": ablation_table(out), "costs": costs_table(out)},
+            root / "README.md": {"accuracy": accuracy, "demo": demo_table(out)}}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -331,70 +488,75 @@ def merge(out: Path) -> dict:
 # --------------------------------------------------------------------------------------------------
 def parse_opt(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", choices=DATASETS, default="helmet", help="label of the data (rows are grouped by it)")
-    p.add_argument("--data", help="dataset.yaml")
+    p.add_argument("--dataset", default="helmet", help="label of the data (entries are grouped by it)")
+    p.add_argument("--data", help="dataset.yaml (train and val); the select split is carved from train")
     p.add_argument("--models", nargs="*", default=[], help="NAME=weights.pt (trained, converted float models)")
-    p.add_argument("--train-epochs", nargs="*", default=[], help="NAME=EPOCHS: how long each model was trained")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--methods", nargs="+", choices=sorted(CALIBRATIONS), default=list(CALIBRATIONS))
     p.add_argument("--imgsz", type=int, default=640)
     p.add_argument("--device", default="0")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--qat-epochs", type=int, default=5)
     p.add_argument("--iters", type=int, default=100)
-    p.add_argument("--qat-args", default="", help="extra qat.py quantize flags for the QAT rows, e.g. '--lr 1e-4'")
     p.add_argument("--calib-batches", type=int, default=25)
+    p.add_argument("--qat-args", default="", help="extra qat.py quantize flags for QAT and its control")
     p.add_argument("--workers", type=int, default=8, help="dataloader workers per run")
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time (PTQ methods, ablation variants)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time")
     p.add_argument("--modelopt", action="store_true", help="also run NVIDIA Model Optimizer's ONNX PTQ")
-    p.add_argument("--calib-images", type=int, default=512, help="Model Optimizer calibration images")
-    p.add_argument("--ablation", nargs="*", default=[], help="models (NAME) to run the QAT ablation on")
-    p.add_argument("--ablation-calib", default="mse", choices=sorted(CALIBRATIONS))
-    p.add_argument("--qat-from-ablation", default=None, metavar="NAME",
-                   help="QAT rows use the recipe of the best variant of NAME's ablation (OUT/DATASET/NAME/ablation.json)")
-    p.add_argument("--wait-ablation", type=float, default=0, help="seconds to wait for --qat-from-ablation's result")
-    p.add_argument("--ort-all-ptq", action="store_true", help="ONNX Runtime mAP of every PTQ method, not the best only")
-    p.add_argument("--merge", action="store_true", help="only rebuild OUT/accuracy.json and .md")
-    p.add_argument("--out", type=Path, default=Path("results"))
+    p.add_argument("--ablation", action="store_true", help="also run the QAT recipe variants (judged on select)")
+    p.add_argument("--skip", nargs="*", choices=("qat", "fp_ft", "ort"), default=[],
+                   help="stages left out (e.g. on a CPU, where fine-tuning takes hours); the entry says so")
+    p.add_argument("--work", type=Path, default=Path("runs/benchmark"), help="run folders, logs, models")
+    p.add_argument("--out", type=Path, default=REPO / "results", help="entries and rendered tables")
+    p.add_argument("--render", action="store_true", help="only render the tables from the entries")
+    p.add_argument("--check", action="store_true", help="with --render: fail if a rendered file is out of date")
     opt = p.parse_args(argv)
-    opt.models = dict(_pairs(p, "--models", opt.models))
-    opt.train_epochs = {k: int(v) for k, v in _pairs(p, "--train-epochs", opt.train_epochs)}
+    opt.models = dict(_pairs(p, opt.models))
     for name, weights in opt.models.items():
         if not Path(weights).is_file():
             p.error(f"--models {name}={weights}: file not found")
-    if (opt.models or opt.ablation) and not (opt.data and Path(opt.data).is_file()):
+    if opt.models and not (opt.data and Path(opt.data).is_file()):
         p.error(f"--data {opt.data}: file not found")
-    unknown = [m for m in opt.ablation if m not in opt.models]
-    if unknown:
-        p.error(f"--ablation {' '.join(unknown)}: not among --models")
+    if len(set(opt.seeds)) < len(opt.seeds):
+        p.error(f"--seeds {' '.join(map(str, opt.seeds))}: repeated")
     if opt.modelopt and importlib.util.find_spec("modelopt") is None:
-        p.error("--modelopt: nvidia-modelopt is not installed (pip install 'nvidia-modelopt[onnx]')")
+        p.error("--modelopt: nvidia-modelopt is not installed (./install_dependencies.sh --modelopt)")
+    if opt.check and not opt.render:
+        p.error("--check goes with --render")
     return opt
 
 
-def _pairs(parser, flag, items):
+def _pairs(parser, items):
     for item in items:
         name, _, value = item.partition("=")
         if not name or not value:
-            parser.error(f"{flag} {item}: expected NAME=VALUE")
+            parser.error(f"--models {item}: expected NAME=weights.pt")
         yield name, value
+
+
+def render(out: Path, check: bool) -> int:
+    diffs = render_files(rendered(out), check)
+    if check and diffs:
+        print("\n".join(diffs))
+        print("benchmark_accuracy: the files above are not what the results JSON renders to; run "
+              "`python scripts/benchmark_accuracy.py --render`", file=sys.stderr)
+        return 1
+    print(f"benchmark_accuracy: {'checked' if check else 'rendered'} {len(rendered(out))} files")
+    return 0
 
 
 def main(argv=None) -> int:
     opt = parse_opt(argv)
-    for name in opt.ablation:
-        ablation(name, Path(opt.models[name]), opt.data, opt.dataset, opt.imgsz, opt.device, opt.batch_size,
-                 opt.qat_epochs, opt.iters, opt.out, opt.jobs, opt.workers, opt.calib_batches, opt.ablation_calib)
+    if opt.render:
+        return render(opt.out, opt.check)
+    bench = Bench(opt.dataset, str(Path(opt.data).resolve()), opt.imgsz, opt.device, opt.batch_size, opt.workers,
+                  tuple(opt.seeds), tuple(opt.methods), opt.qat_epochs, opt.iters, opt.calib_batches,
+                  tuple(shlex.split(opt.qat_args)), opt.modelopt, tuple(opt.skip), opt.jobs, opt.work.resolve(),
+                  opt.out.resolve())
     for name, weights in opt.models.items():
-        qat_args = shlex.split(opt.qat_args)
-        if opt.qat_from_ablation:  # resolved when the QAT step starts: the ablation may still be running
-            ablation_json = opt.out / opt.dataset / opt.qat_from_ablation / "ablation.json"
-            qat_args = (lambda extra=qat_args, f=ablation_json: best_variant_args(f, opt.wait_ablation) + extra)
-        benchmark_model(name, Path(weights), opt.data, opt.dataset, opt.imgsz, opt.device, opt.batch_size,
-                        opt.qat_epochs, opt.iters, qat_args, opt.out, opt.jobs, opt.workers,
-                        opt.calib_batches, opt.modelopt, opt.calib_images, opt.train_epochs.get(name), opt.ort_all_ptq)
-        merge(opt.out)
-    result = merge(opt.out)
-    print(result["table"])
-    return 0
+        entry = ModelBench(bench, name, Path(weights)).run(opt.ablation)
+        print(model_table(entry), flush=True)
+    return render(opt.out, check=False)
 
 
 if __name__ == "__main__":

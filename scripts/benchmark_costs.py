@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""Cost of quantization on one GPU: QAT step vs float step (same batch, same AMP), calibration time per method,
-peak memory. Random weights and images are enough for costs (accuracy needs trained models).
+"""What quantization costs in training time: the QAT step against the same step of its float control (the same
+recipe, teacher and batch, every quantizer disabled), interleaved A/B in one process, plus calibration time per
+method and peak memory. Weights and images are random: costs do not depend on what the model has learned.
 
-    python scripts/benchmark_costs.py --cfg models/detect/gelan-c.yaml --batch-size 16 --imgsz 640 --out costs.json
-Run from the patched YOLOv9 checkout.
+    python scripts/benchmark_costs.py --cfg models/detect/gelan-c.yaml --batch-size 16 --imgsz 640 --steps 60
+
+Run from the patched YOLOv9 checkout (CUDA). Writes results/costs/<model>.json (--out).
 """
 from __future__ import annotations
 
 import argparse
-import json
+import copy
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -17,113 +20,109 @@ sys.path.insert(0, str(Path.cwd()))
 
 import torch  # noqa: E402
 
+from utils.io_utils import write_json  # noqa: E402
+from utils.provenance import command_line, machine, overlay_repo, toolkit_commit  # noqa: E402
 
-def _step_time(recipe, model, teacher, images, targets, hyp: dict, steps: int, amp: bool) -> tuple[float, float]:
-    """Median seconds of one QAT training step of `recipe` (teacher forward, student forward and backward, Adam,
-    EMA when the recipe has one) and peak GiB. The same code path as `qat.py quantize` (finetune_epoch)."""
-    from models.finetune import QATObjective, WeightEMA, finetune_epoch, optimizer_for
-    optimizer = optimizer_for(model, recipe)
-    scaler = torch.amp.GradScaler("cuda") if amp else None
-    ema = WeightEMA(model, recipe.ema) if recipe.ema else None
-    times = []
-    torch.cuda.reset_peak_memory_stats()
-    with QATObjective(recipe, model, teacher, hyp) as objective:
-        for i in range(steps + 3):
-            batch = iter([(images[i % len(images)], targets, None)])
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            finetune_epoch(objective, batch, optimizer, scaler, ema, i, steps + 3, 1, 1, "")
-            torch.cuda.synchronize()
-            if i >= 3:
-                times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30
+WHAT = ("one optimizer step of `qat.py quantize`'s recipe (models/finetune.py FineTuner.step): teacher forward "
+        "without gradients, student forward, head distillation + detection loss, backward, Adam step, AMP on CUDA; "
+        "the QAT student has its quantizers enabled, the control the same model with every quantizer disabled; "
+        "the two alternate step by step on the same batches, each timed with a CUDA synchronize before and after")
 
 
-def _random_targets(batch_size: int, n: int, nc: int, device) -> torch.Tensor:
-    """Upstream targets [image, class, x, y, w, h] (normalised), `n` per image."""
+def random_targets(batch_size: int, per_image: int, nc: int, device) -> torch.Tensor:
+    """Upstream targets [image, class, x, y, w, h] (normalised)."""
     g = torch.Generator().manual_seed(0)
-    img = torch.arange(batch_size).repeat_interleave(n).float()
-    cls = torch.randint(0, nc, (batch_size * n,), generator=g).float()
-    xy = torch.rand(batch_size * n, 2, generator=g) * 0.8 + 0.1
-    wh = torch.rand(batch_size * n, 2, generator=g) * 0.15 + 0.05
+    n = batch_size * per_image
+    img = torch.arange(batch_size).repeat_interleave(per_image).float()
+    cls = torch.randint(0, nc, (n,), generator=g).float()
+    xy = torch.rand(n, 2, generator=g) * 0.8 + 0.1
+    wh = torch.rand(n, 2, generator=g) * 0.15 + 0.05
     return torch.cat([img[:, None], cls[:, None], xy, wh], 1).to(device)
 
 
-def copy_float_trainable(model):
-    """A deep copy whose parameters are fresh leaves that require grad (fused convs can hold non-leaf tensors;
-    quantizer state, amax included, is copied along)."""
-    import copy
+def trainable_copy(model):
+    """A deep copy whose parameters are fresh leaves (fused convs can hold non-leaf tensors); quantizer state,
+    amax included, is copied along."""
     model = copy.deepcopy(model)
     for m in model.modules():
         for name, param in list(m._parameters.items()):
             if param is not None:
                 m._parameters[name] = torch.nn.Parameter(param.detach().clone())
-    return model
+    return model.train()
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def quantiles(times: list[float]) -> dict:
+    q = statistics.quantiles(times, n=10)
+    return {"median": round(statistics.median(times), 5), "p10": round(q[0], 5), "p90": round(q[-1], 5)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cfg", default="models/detect/gelan-c.yaml")
+    p.add_argument("--nc", type=int, default=80)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--imgsz", type=int, default=640)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--calib-batches", type=int, default=25)
-    p.add_argument("--methods", nargs="+", default=["max", "mse", "percentile", "entropy"])
-    p.add_argument("--no-amp", action="store_true")
-    p.add_argument("--recipes", nargs="+", default=["--recipe default", "--recipe reference"],
-                   help="QAT recipes to time, each as qat.py quantize flags (e.g. '--distill head --det-loss 1')")
-    p.add_argument("--out", type=Path, default=Path("costs.json"))
+    p.add_argument("--steps", type=int, default=60, help="timed steps of each arm (>= 50 for the median)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps of each arm first")
+    p.add_argument("--hyp", default="data/hyps/hyp.scratch-high.yaml")
+    p.add_argument("--out", type=Path, default=overlay_repo() / "results" / "costs")
     opt = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmark_costs: error: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.ERROR)
-    import shlex
-    import yaml
-    from qat import parse_opt, qat_recipe
-    from models.finetune import QATRecipe
-    from models.quantize import calibrate_model, copy_float, quantize_model, quantizer_counts
+        p.error("needs a CUDA GPU (training-step costs on a CPU say nothing about a GPU's)")
+
+    from models.finetune import RECIPES, FineTuner, QATObjective
+    from models.quantize import QuantRecipe, calibrate, copy_float, named_quantizers, quantize_model, quantizer_counts
     from models.yolo import Model
-    dev = torch.device("cuda:0")
-    amp = not opt.no_amp
+    from utils.batches import load_hyp
+    device = torch.device("cuda:0")
     torch.manual_seed(0)
-    model = Model(opt.cfg, nc=80).to(dev).eval()
+    model = Model(opt.cfg, nc=opt.nc).to(device).eval()
     model.fuse()
     teacher = copy_float(model)
-    g = torch.Generator(device=dev).manual_seed(0)
-    images = [torch.rand(opt.batch_size, 3, opt.imgsz, opt.imgsz, device=dev, generator=g) for _ in range(4)]
-    targets = _random_targets(opt.batch_size, 8, 80, dev)
-    hyp = yaml.safe_load(open("data/hyps/hyp.scratch-high.yaml"))
-    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cfg": opt.cfg,
-              "batch_size": opt.batch_size, "imgsz": opt.imgsz, "amp": amp, "recipes": {}}
-    recipes = {}
-    for flags in opt.recipes:  # parsed by qat.py itself: the recipe timed is the recipe those flags train
-        q = parse_opt(["quantize", "--weights", "-", *shlex.split(flags)])
-        recipes[flags] = qat_recipe(q.recipe, **{k: getattr(q, k) for k in QATRecipe.__dataclass_fields__})
-    fp = {}
-    for flags, recipe in recipes.items():  # the float model trained the same way: what QAT is compared with
-        fp[flags] = _step_time(recipe, copy_float_trainable(model), teacher, images, targets, hyp, opt.steps, amp)
-    t0 = time.perf_counter()
-    quantize_model(model)
-    result["insert_quantizers_s"] = round(time.perf_counter() - t0, 2)
-    result["quantizers"] = quantizer_counts(model)
-    result["calibration"] = {}
-    for method in opt.methods:
-        batches = (images[i % len(images)] for i in range(opt.calib_batches))
-        with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
-            t = calibrate_model(model, batches, method, percentile=99.999)
-        result["calibration"][method] = {k: round(v, 2) for k, v in t.items()}
-        print(f"calibration {method}: {t}", flush=True)
-    for flags, recipe in recipes.items():
-        qat_s, qat_mem = _step_time(recipe, copy_float_trainable(model), teacher, images, targets, hyp, opt.steps,
-                                    amp)
-        fp_s, fp_mem = fp[flags]
-        result["recipes"][flags] = {"recipe": recipe.to_dict(), "fp_step_s": round(fp_s, 4),
-                                   "qat_step_s": round(qat_s, 4), "qat_over_fp": round(qat_s / fp_s, 3),
-                                   "fp_peak_gib": round(fp_mem, 2), "qat_peak_gib": round(qat_mem, 2)}
-    opt.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    images = [torch.rand(opt.batch_size, 3, opt.imgsz, opt.imgsz, device=device) for _ in range(4)]
+    targets = random_targets(opt.batch_size, 8, opt.nc, device)
+    quantize_model(model, QuantRecipe())
+    calib_s = {m: round(timed(lambda m=m: calibrate(model, QuantRecipe(calib_method=m), images)), 3)
+               for m in ("max", "mse", "percentile", "entropy")}  # mse last sets the amax QAT starts from
+    calibrate(model, QuantRecipe(calib_method="mse"), images)
+    hyp = load_hyp(opt.hyp)
+    arms = {}
+    for arm in ("qat", "control"):
+        student = trainable_copy(model)
+        if arm == "control":
+            for _, q in named_quantizers(student):
+                q.disable()
+        objective = QATObjective(RECIPES["default"], student, teacher, hyp)
+        arms[arm] = FineTuner(objective, epochs=1, iters=opt.steps + opt.warmup, amp=True)
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    peak: dict[str, float] = {}
+    for i in range(opt.steps + opt.warmup):
+        for arm, tuner in arms.items():  # A, B, A, B, ...: drifts of clock or temperature hit both alike
+            torch.cuda.reset_peak_memory_stats()
+            t = timed(lambda: tuner.step(images[i % len(images)], targets, None))
+            peak[arm] = max(peak.get(arm, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+            if i >= opt.warmup:
+                times[arm].append(t)
+    for tuner in arms.values():
+        tuner.objective.__exit__()
+    result = {"model": Path(opt.cfg).stem, "batch_size": opt.batch_size, "imgsz": opt.imgsz, "what": WHAT,
+              "steps": opt.steps, "warmup": opt.warmup, "qat_step_s": quantiles(times["qat"]),
+              "control_step_s": quantiles(times["control"]),
+              "ratio": round(statistics.median(times["qat"]) / statistics.median(times["control"]), 3),
+              "calibration_s": calib_s, "calibration_batches": len(images),
+              "peak_gib": {k: round(v, 2) for k, v in peak.items()}, "quantizers": quantizer_counts(model),
+              "commit": toolkit_commit(), "command": command_line(), "machine": machine()}
+    path = write_json(opt.out / f"{result['model']}.json", result)
+    print(f"QAT step {result['qat_step_s']['median']:.4f} s vs float control {result['control_step_s']['median']:.4f} s"
+          f" = {result['ratio']:.2f}x ({opt.steps} steps each, interleaved); {path}")
     return 0
 
 

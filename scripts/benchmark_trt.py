@@ -6,7 +6,7 @@
 The FP16 engine is built from the float model's ONNX (--fp16-onnx; without it the Q/DQ ONNX is used for both,
 which only shows trtexec's own numbers for that graph). Each graph gets the flags it needs on the TensorRT found
 (utils/trtexec.py: strongly typed on TensorRT 11; --stronglyTyped or --int8/--fp16 on 10.x): export both with
-the same --precision. Writes benchmark.json and benchmark.md in --out.
+the same --dtype. Writes benchmark.json and benchmark.md in --out.
 """
 from __future__ import annotations
 
@@ -27,16 +27,16 @@ def run(int8_onnx: Path, fp16_onnx: Path | None, imgsz: int, batches: list[int],
     flags = {onnx: precision_flags(version, *graph_kind(onnx)) for onnx in {fp16_onnx or int8_onnx, int8_onnx}}
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for precision, onnx in (("fp16", fp16_onnx or int8_onnx), ("int8", int8_onnx)):
+    for engine_kind, onnx in (("fp16", fp16_onnx or int8_onnx), ("int8", int8_onnx)):
         for batch in batches:
-            engine = out / f"{Path(onnx).stem}-{precision}-b{batch}.engine"
+            engine = out / f"{Path(onnx).stem}-{engine_kind}-b{batch}.engine"
             cmd = benchmark_command(onnx, imgsz, batch, flags[onnx], engine, duration_s=duration)
             print("benchmark_trt:", " ".join(cmd), flush=True)
             log = subprocess.run(cmd, text=True, capture_output=True)
             (out / f"{engine.stem}.log").write_text(log.stdout + log.stderr)
             if log.returncode != 0:
-                raise RuntimeError(f"trtexec failed for {precision} batch {batch}; see {out / (engine.stem + '.log')}")
-            rows.append({"precision": precision, "batch": batch, "onnx": str(onnx), **parse_summary(log.stdout)})
+                raise RuntimeError(f"trtexec failed for {engine_kind} batch {batch}; see {out / (engine.stem + '.log')}")
+            rows.append({"engine": engine_kind, "batch": batch, "onnx": str(onnx), **parse_summary(log.stdout)})
     table = comparison_table(rows)
     result = {"imgsz": imgsz, "tensorrt": ".".join(map(str, version)), "flags": {str(k): v for k, v in flags.items()},
               "rows": rows, "table": table}

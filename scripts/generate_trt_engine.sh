@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build a TensorRT engine from an ONNX with trtexec, with the flags the graph needs on the TensorRT found.
 #   scripts/generate_trt_engine.sh MODEL.onnx IMGSZ [--batch N | --min N --opt N --max N] [--allow-fp32] [--generate-graph]
-# TensorRT 11: strongly typed, no precision flags (the FP16 Q/DQ graph of export_qat.py --precision fp16).
-# TensorRT 10.x: --stronglyTyped for that graph, or --int8 --fp16 for an FP32 graph (--precision fp32).
+# TensorRT 11: strongly typed, no precision flags (the FP16 Q/DQ graph of export_qat.py --dtype fp16).
+# TensorRT 10.x: --stronglyTyped for that graph, or --int8 --fp16 for an FP32 graph (--dtype fp32).
 # Writes MODEL.engine beside the ONNX; --generate-graph also writes the layer/profile JSON and the engine-graph
 # report and SVG (python -m utils.engine_graph).
 set -euo pipefail

@@ -45,9 +45,9 @@ def test_fp16_graph_is_all_fp16_and_matches_the_fp32_graph(quantized_weights, de
     # verified where the trained model detects well (its 320 px data): real boxes to match
     fp16 = _export(quantized_weights, tmp_path, "--verify", "--data", demo_data320, "--imgsz", 320, "--batch-size", 4,
                    "--verify-batches", 8)
-    assert fp16["precision"] == "fp16" and fp16["opset"] >= 19
+    assert fp16["dtype"] == "fp16" and fp16["opset"] >= 19
     lint = fp16["lint"]
-    assert lint["precision"] == "fp16" and lint["scale_dtypes"] == ["float16"] and lint["fp32_compute"] == []
+    assert lint["dtype"] == "fp16" and lint["scale_dtypes"] == ["float16"] and lint["fp32_compute"] == []
     assert lint["typing_error"] == "" and lint["problems"] == 0 and lint["unshared_joins"] == []
     model = onnx.load(fp16["onnx"])
     assert [i.type.tensor_type.elem_type for i in model.graph.input] == [onnx.TensorProto.FLOAT]
@@ -58,8 +58,8 @@ def test_fp16_graph_is_all_fp16_and_matches_the_fp32_graph(quantized_weights, de
     parity = fp16["parity"]
     assert parity["rel_err"]["output0"] < 0.1 and parity["detections_counted"] > 10, parity
     assert parity["detections_matched"] >= 0.9, parity  # FP16 activations too: more flips than the FP32 graph's
-    fp32 = _export(quantized_weights, tmp_path, "--precision", "fp32")
-    assert fp32["lint"]["precision"] == "fp32" and fp32["lint"]["scale_dtypes"] == ["float32"]
+    fp32 = _export(quantized_weights, tmp_path, "--dtype", "fp32")
+    assert fp32["lint"]["dtype"] == "fp32" and fp32["lint"]["scale_dtypes"] == ["float32"]
     assert graph_kind(fp32["onnx"]) == ("fp32", True) and fp32["qdq_pairs"] == fp16["qdq_pairs"]
 
 
@@ -71,9 +71,9 @@ def test_fp16_io_and_end_to_end_with_nms(quantized_weights, tmp_path):
                      "det_boxes": onnx.TensorProto.FLOAT16, "det_scores": onnx.TensorProto.FLOAT16,
                      "det_classes": onnx.TensorProto.INT32}
     assert lint_file(res["onnx"]).typing_error == ""  # the plugin is passed over, the rest type-checks
-    r = run_cli("export_qat.py", "--weights", quantized_weights, "--imgsz", IMGSZ, "--precision", "fp32",
+    r = run_cli("export_qat.py", "--weights", quantized_weights, "--imgsz", IMGSZ, "--dtype", "fp32",
                 "--io-dtype", "fp16", "--exist-ok")
-    assert r.returncode == 2 and "--io-dtype fp16 needs --precision fp16" in r.stderr
+    assert r.returncode == 2 and "--io-dtype fp16 needs --dtype fp16" in r.stderr
 
 
 def test_lint_counts_fp32_compute_in_an_fp16_graph(quantized_weights, tmp_path):
@@ -108,7 +108,7 @@ def test_version_from_trtexec_banner(banner, version):
 def test_precision_flags_per_version():
     # TensorRT 11 (migration guide: no --fp16/--int8/--best/--calib, strongly typed always)
     assert precision_flags((11, 0, 0), "fp16", quantized=True) == []
-    with pytest.raises(ValueError, match="--precision fp16"):
+    with pytest.raises(ValueError, match="--dtype fp16"):
         precision_flags((11, 0, 0), "fp32", quantized=True)
     assert precision_flags((11, 0, 0), "fp32", quantized=True, allow_fp32=True) == []
     # TensorRT 10.x: strongly typed by request, or weakly typed with the precision flags
@@ -134,11 +134,11 @@ for a in "$@"; do case "$a" in --saveEngine=*) echo engine > "${{a#--saveEngine=
     return bin_dir
 
 
-@pytest.mark.parametrize("version_code,precision,expected", [
+@pytest.mark.parametrize("version_code,dtype,expected", [
     ("110000", "fp16", ""), ("100300", "fp16", "--stronglyTyped"), ("100300", "fp32", "--int8 --fp16")])
 def test_engine_script_builds_each_graph_with_the_flags_of_the_found_version(quantized_weights, tmp_path,
-                                                                            version_code, precision, expected):
-    res = _export(quantized_weights, tmp_path, "--precision", precision)
+                                                                            version_code, dtype, expected):
+    res = _export(quantized_weights, tmp_path, "--dtype", dtype)
     bin_dir = _fake_trtexec(tmp_path, version_code)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
     r = subprocess.run(["bash", str(REPO / "scripts/generate_trt_engine.sh"), res["onnx"], str(IMGSZ), "--min", "1",
@@ -148,16 +148,16 @@ def test_engine_script_builds_each_graph_with_the_flags_of_the_found_version(qua
     flags = [a for a in args if a in ("--int8", "--fp16", "--best", "--stronglyTyped")]
     assert " ".join(flags) == expected
     assert f"--onnx={res['onnx']}" in args and f"--maxShapes=images:8x3x{IMGSZ}x{IMGSZ}" in args
-    print(f"TensorRT v{version_code}, {precision} graph: trtexec {' '.join(args)}")
+    print(f"TensorRT v{version_code}, {dtype} graph: trtexec {' '.join(args)}")
 
 
 def test_engine_script_refuses_an_fp32_graph_on_tensorrt_11(quantized_weights, tmp_path):
-    res = _export(quantized_weights, tmp_path, "--precision", "fp32")
+    res = _export(quantized_weights, tmp_path, "--dtype", "fp32")
     bin_dir = _fake_trtexec(tmp_path, "110000")
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
     r = subprocess.run(["bash", str(REPO / "scripts/generate_trt_engine.sh"), res["onnx"], str(IMGSZ)],
                        capture_output=True, text=True, env=env)
-    assert r.returncode == 2 and "--precision fp16" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 2 and "--dtype fp16" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (bin_dir / "args").exists()  # trtexec never ran
 
 

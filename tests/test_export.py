@@ -33,11 +33,11 @@ def quantized_weights(request, demo_data, tmp_path_factory):
 
 
 def _export(weights, include="onnx", **kw):
-    """export_qat.run as the CLI calls it; the FP32 graph (TensorRT 10 weak typing) unless `precision` is given:
+    """export_qat.run as the CLI calls it; the FP32 graph (TensorRT 10 weak typing) unless `dtype` is given:
     these tests check its exact arithmetic, tests/test_deploy.py the FP16 graph."""
     import export_qat
     opt = export_qat.parse_opt(["--weights", str(weights), "--include", include, "--imgsz", str(IMGSZ), "--exist-ok",
-                                "--precision", kw.pop("precision", "fp32")])
+                                "--dtype", kw.pop("dtype", "fp32")])
     for k, v in kw.items():
         setattr(opt, k, v)
     return export_qat.run(**vars(opt))

@@ -91,7 +91,7 @@ def test_objective_with_detection_loss_trains_the_quantized_model(ptq_pair):
     with QATObjective(recipe, model, teacher, _hyp()) as objective:
         tuner = FineTuner(objective, epochs=1, iters=3, amp=False)
         losses = tuner.epoch(iter([(im, _targets(), None) for im in _images(3)]), "")
-    assert tuner.step == 3 and {"distill", "det", "loss"} <= set(losses) and all(math.isfinite(v) for v in losses.values())
+    assert tuner.step_count == 3 and {"distill", "det", "loss"} <= set(losses) and all(math.isfinite(v) for v in losses.values())
     changed = sum(not torch.equal(before[n], p) for n, p in model.named_parameters())
     assert changed > 0.9 * len(before)
     assert not model.model[-1]._forward_hooks  # the objective's taps are gone

@@ -80,7 +80,7 @@ def test_eval_reproduces_the_report(seg_run, seg_data, tmp_path):
 @pytest.fixture(scope="module")
 def seg_onnx(seg_run, seg_data):
     weights = seg_run[0] / "weights" / "qat_best_gelan-t-seg-demo.pt"
-    r = run_cli("export_qat.py", "--weights", weights, "--imgsz", SIZE, "--dynamic", "--simplify", "--precision", "fp32",
+    r = run_cli("export_qat.py", "--weights", weights, "--imgsz", SIZE, "--dynamic", "--simplify", "--dtype", "fp32",
                 "--verify", "--data", seg_data, "--batch-size", 2, "--verify-batches", 25, "--conf-thres", 0.1, "--json", weights.with_suffix(".json"))
     assert r.returncode == 0, r.stderr[-3000:]
     return weights, weights.with_suffix(".onnx"), json.loads(weights.with_suffix(".json").read_text())
@@ -110,7 +110,7 @@ def test_fp16_export_for_strongly_typed_engines(seg_run, tmp_path):
     r = run_cli("export_qat.py", "--weights", weights, "--imgsz", SIZE, "--json", tmp_path / "e.json")  # fp16 default
     assert r.returncode == 0, r.stderr[-3000:]
     lint = json.loads((tmp_path / "e.json").read_text())["lint"]
-    assert lint["precision"] == "fp16" and lint["fp32_compute"] == [] and lint["unshared_joins"] == []
+    assert lint["dtype"] == "fp16" and lint["fp32_compute"] == [] and lint["unshared_joins"] == []
 
 
 def test_onnxruntime_box_and_mask_map_equal_pytorch(seg_onnx, seg_data):

@@ -67,7 +67,7 @@ def test_detections_match_box_for_box(quantized, demo_data320, tmp_path):
     from models.export import load_for_export, verify_parity
     weights = tmp_path / "fp32.pt"
     shutil.copy(quantized[0], weights)
-    assert run_cli("export_qat.py", "--weights", weights, "--dynamic", "--imgsz", SIZE, "--precision", "fp32").returncode == 0
+    assert run_cli("export_qat.py", "--weights", weights, "--dynamic", "--imgsz", SIZE, "--dtype", "fp32").returncode == 0
     images = export_qat.verification_images(str(demo_data320), SIZE, 4, 25)
     parity = verify_parity(load_for_export(weights), weights.with_suffix(".onnx"), images)
     print(parity)
@@ -144,7 +144,7 @@ def test_trtexec_summaries_from_the_reference_logs():
     assert first["latency_ms"]["p99"] == pytest.approx(0.974121)
     assert first["gpu_compute_ms"]["median"] == pytest.approx(0.972656)
     assert first["total_host_walltime_s"] == pytest.approx(10.0019)
-    rows = [{"precision": "int8", "batch": 1, **parsed[0]}, {"precision": "fp16", "batch": 1, **parsed[8]}]
+    rows = [{"engine": "int8", "batch": 1, **parsed[0]}, {"engine": "fp16", "batch": 1, **parsed[8]}]
     table = comparison_table(rows)
     assert "| 1 |" in table and "%" in table
     with pytest.raises(ValueError, match="no trtexec performance summary"):

@@ -3,7 +3,7 @@ of batches from upstream's loaders."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import yaml
@@ -40,14 +40,21 @@ def cycle(loader, n: int) -> Iterator:
             yield next(it)
 
 
-def seeded_batches(loader, device: torch.device, n: int, seed: int
-                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    """`n` batches of (images as float 0-1 on `device`, upstream targets, instance masks or None), in an order and
-    with augmentations that depend on `seed` only: an epoch seeded by (run seed, epoch) is the same whether or not
-    the run was interrupted and resumed before it, and a calibration sample is chosen by the run's seed."""
+class Batch(NamedTuple):
+    images: torch.Tensor            # float 0-1 on the device
+    targets: torch.Tensor           # upstream's [image, class, x, y, w, h]
+    masks: torch.Tensor | None      # instance masks (segmentation data), else None
+    paths: tuple[str, ...]          # the image files
+
+
+def seeded_batches(loader, device: torch.device, n: int, seed: int) -> Iterator[Batch]:
+    """`n` batches in an order and with augmentations that depend on `seed` only: an epoch seeded by (run seed,
+    epoch) is the same whether or not the run was interrupted and resumed before it, and a calibration sample is
+    chosen by the run's seed."""
     init_seeds(seed, deterministic=False)  # augmentations drawn in this process (workers=0)
     generator = getattr(loader, "generator", None)
     if generator is not None:  # shuffling and the workers' seeds
         generator.manual_seed(seed)
     for batch in cycle(loader, n):
-        yield batch[0].to(device, non_blocking=True).float() / 255, batch[1], batch[4] if len(batch) > 4 else None
+        yield Batch(batch[0].to(device, non_blocking=True).float() / 255, batch[1], batch[4] if len(batch) > 4 else None,
+                    tuple(batch[2]))

@@ -14,6 +14,16 @@ from pathlib import Path
 
 OVERLAY_ROOT = Path(__file__).resolve().parents[1]
 STAMP_FILE = ".yolov9_qat_commit"  # written by patch_yolov9.sh into the checkout it patches
+SOURCE_FILE = ".yolov9_qat_source"  # likewise: the yolov9-qat repository it copied from
+
+
+def overlay_repo(root: Path = OVERLAY_ROOT) -> Path:
+    """The yolov9-qat repository: this file's own, or, in a patched checkout, the one patch_yolov9.sh copied from
+    (where results/, README.md and docs/ are)."""
+    if (root / "patch_yolov9.sh").is_file():
+        return root
+    source = root / SOURCE_FILE
+    return Path(source.read_text().strip()) if source.is_file() else root
 
 
 def toolkit_commit(root: Path = OVERLAY_ROOT) -> str:

@@ -31,7 +31,7 @@ ALLOWED_FLOAT_CONVS = (r"/dfl/",)
 
 @dataclass
 class LintReport:
-    precision: str = "fp32"            # type of the non-INT8 compute: fp16 or fp32
+    dtype: str = "fp32"                # type of the non-INT8 compute: fp16 or fp32
     scale_dtypes: list = field(default_factory=list)
     fp32_compute: list = field(default_factory=list)   # in an fp16 graph: nodes still computing in FP32
     typing_error: str = ""             # ONNX shape inference (strict, with types) failed
@@ -54,8 +54,8 @@ class LintReport:
                 + len(self.fp32_compute) + bool(self.typing_error))
 
     def summary(self) -> str:
-        typing = (f"; {self.precision} graph" + (f", FP32 compute nodes: {len(self.fp32_compute)}"
-                                                  if self.precision == "fp16" else "")
+        typing = (f"; {self.dtype} graph" + (f", FP32 compute nodes: {len(self.fp32_compute)}"
+                                                  if self.dtype == "fp16" else "")
                   + (f"; TYPING ERROR: {self.typing_error}" if self.typing_error else ""))
         if not self.is_quantized:
             return f"qdq_lint: no Q/DQ nodes ({self.convs} convs): a float model{typing}" + "".join(
@@ -124,8 +124,8 @@ def _check_typing(model: onnx.ModelProto, report: LintReport, consts: dict) -> N
     except Exception as e:  # onnx raises InferenceError / ValidationError subclasses without a common base
         report.typing_error = str(e).splitlines()[0][:300]
         return
-    report.precision = "fp16" if onnx.TensorProto.FLOAT16 in types or "float16" in scale_types else "fp32"
-    if report.precision == "fp16":
+    report.dtype = "fp16" if onnx.TensorProto.FLOAT16 in types or "float16" in scale_types else "fp32"
+    if report.dtype == "fp16":
         report.fp32_compute = fp32_compute_nodes(model)
 
 

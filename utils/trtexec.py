@@ -3,7 +3,7 @@
     python -m utils.trtexec flags MODEL.onnx [--version 10.3] [--allow-fp32]   # prints the precision flags
 
 TensorRT 11 builds every network strongly typed and has no --int8/--fp16/--best/--calib: the graph's own
-types decide (an FP16 Q/DQ graph from `export_qat.py --precision fp16`). TensorRT 10.x builds that graph with
+types decide (an FP16 Q/DQ graph from `export_qat.py --dtype fp16`). TensorRT 10.x builds that graph with
 --stronglyTyped, or an FP32 Q/DQ graph weakly typed with --int8 --fp16 (JetPack 6 ships 10.3).
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ def trtexec_version(trtexec: str) -> tuple[int, int, int]:
 
 
 def graph_kind(onnx_path: str | Path) -> tuple[str, bool]:
-    """(fp16 | fp32, quantized): the graph's float type (export --precision) and whether it has Q/DQ nodes."""
+    """(fp16 | fp32, quantized): the graph's float type (export --dtype) and whether it has Q/DQ nodes."""
     import onnx
     from onnx import TensorProto
     g = onnx.load(str(onnx_path), load_external_data=False).graph
@@ -82,17 +82,17 @@ def graph_kind(onnx_path: str | Path) -> tuple[str, bool]:
     return ("fp16" if fp16 else "fp32"), any(n.op_type == "QuantizeLinear" for n in g.node)
 
 
-def precision_flags(version: tuple[int, ...], precision: str, quantized: bool, allow_fp32: bool = False) -> list[str]:
-    """The trtexec flags that build a graph of `precision` (Q/DQ or float) at its intended speed on `version`."""
+def precision_flags(version: tuple[int, ...], dtype: str, quantized: bool, allow_fp32: bool = False) -> list[str]:
+    """The trtexec precision flags that build a graph whose float type is `dtype` (Q/DQ or float) at its intended speed on `version`."""
     shown = ".".join(map(str, version))
     if version[0] < 10:
         raise ValueError(f"TensorRT {shown} found; these graphs need TensorRT >= 10 (10.3 on JetPack 6)")
     if version[0] >= 11:  # strongly typed always: the graph's types are the precisions
-        if precision == "fp32" and not allow_fp32:
+        if dtype == "fp32" and not allow_fp32:
             raise ValueError(f"TensorRT {shown} builds an FP32 graph in FP32 (strongly typed, no --fp16): slower "
-                             "than the FP16 baseline; export with --precision fp16 (or pass --allow-fp32)")
+                             "than the FP16 baseline; export with --dtype fp16 (or pass --allow-fp32)")
         return []
-    if precision == "fp16":
+    if dtype == "fp16":
         return ["--stronglyTyped"]
     # weak typing; --int8 only with Q/DQ nodes (without them TensorRT 10 would INT8 with placeholder ranges)
     return ["--int8", "--fp16"] if quantized else ["--fp16"]
@@ -110,7 +110,7 @@ def benchmark_command(onnx: str | Path, imgsz: int, batch: int, flags: list[str]
 
 def comparison_table(rows: list[dict]) -> str:
     """Markdown: per batch, INT8 vs FP16 latency p99, throughput (qps) and images/s, with % change."""
-    by = {(r["precision"], r["batch"]): r for r in rows}
+    by = {(r["engine"], r["batch"]): r for r in rows}
     lines = ["| Batch | FP16 p99 (ms) | INT8 p99 (ms) | p99 change | FP16 qps | INT8 qps | qps change | INT8 img/s |",
              "|---|---|---|---|---|---|---|---|"]
     for batch in sorted({r["batch"] for r in rows}):

@@ -1,0 +1,87 @@
+"""Numbers over seeds, the noise rule, and Markdown blocks rendered from results JSON.
+
+A difference is only called a difference where it exceeds the noise: "A > B" where mean(A) - mean(B) is larger
+than the larger of the two seed-to-seed standard deviations, else "within noise". Tables in README.md and
+docs/RESULTS.md live between `<!-- results:NAME -->` and `<!-- /results:NAME -->` markers and are rewritten
+from the JSON, never by hand.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+import statistics
+from pathlib import Path
+
+
+def spread(values: list[float]) -> dict:
+    """Mean, sample standard deviation (0 for a single value) and the values themselves."""
+    values = [float(v) for v in values]
+    return {"mean": round(statistics.fmean(values), 5), "std": round(statistics.stdev(values), 5) if len(values) > 1
+            else 0.0, "n": len(values), "values": [round(v, 5) for v in values]}
+
+
+def difference(a: dict, b: dict) -> dict:
+    """a - b of two spreads: the difference of the means, the larger std (the noise it is judged against) and the
+    verdict."""
+    delta = a["mean"] - b["mean"]
+    noise = max(a["std"], b["std"])
+    verdict = "within noise" if abs(delta) <= noise else ("higher" if delta > 0 else "lower")
+    return {"delta": round(delta, 5), "noise": round(noise, 5), "verdict": verdict}
+
+
+def fmt(s: dict | None, digits: int = 4) -> str:
+    """'0.5745 ± 0.0012 (3)', or '-'."""
+    if not s:
+        return "-"
+    if s["n"] == 1:
+        return f"{s['mean']:.{digits}f} (1)"
+    return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f} ({s['n']})"
+
+
+def fmt_difference(d: dict) -> str:
+    sign = f"{d['delta']:+.4f}"
+    return f"{sign} ({d['verdict']}, noise {d['noise']:.4f})"
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- results:{name} -->", f"<!-- /results:{name} -->"
+
+
+def replace_block(text: str, name: str, content: str) -> str:
+    """`text` with the block `name` replaced by `content`; the markers must be there."""
+    start, end = _markers(name)
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no {start} ... {end} block to render into")
+    return pattern.sub(lambda _: f"{start}\n{content.rstrip()}\n{end}", text, count=1)
+
+
+def blocks_in(text: str) -> list[str]:
+    return re.findall(r"<!-- results:([\w.-]+) -->", text)
+
+
+def render_files(files: dict[Path, dict[str, str]], check: bool) -> list[str]:
+    """Write each file's blocks ({path: {block name: content}}), or with `check` only compare. Returns the unified
+    diffs of the files that differ (empty: all up to date)."""
+    diffs = []
+    for path, blocks in files.items():
+        old = path.read_text() if path.is_file() else ""
+        new = old
+        for name, content in blocks.items():
+            try:
+                new = replace_block(new, name, content) if old else _standalone(new, name, content)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+        if new != old:
+            diffs.append("".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), str(path),
+                                                      f"{path} (rendered)")))
+            if not check:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(new)
+    return diffs
+
+
+def _standalone(text: str, name: str, content: str) -> str:
+    """A new file made of the block alone."""
+    start, end = _markers(name)
+    return (text + "\n" if text else "") + f"{start}\n{content.rstrip()}\n{end}\n"
