@@ -2,8 +2,9 @@
 
     python export_yoloV9.py --weights runs/qat/exp/weights/qat_best_yolov9-c-converted.pt --simplify --dynamic
 
-Writes WEIGHTS.onnx whose one output `output` is [batch, anchors, 6] = x1, y1, x2, y2, score, class (the layout
-DeepStream-Yolo's custom bounding-box parser reads), and labels.txt with one class name per line.
+Writes WEIGHTS-deepstream.onnx whose one output `output` is [batch, anchors, 6] = x1, y1, x2, y2, score, class
+(the layout DeepStream-Yolo's custom bounding-box parser reads), and WEIGHTS-deepstream-labels.txt with one class
+name per line (the TensorRT graph of export_qat.py is WEIGHTS.onnx: the two never overwrite each other).
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from models.checkpoint import read_checkpoint  # noqa: E402
 from models.quantize import is_quantized  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import atomic_write, cli_main  # noqa: E402
-from models.export import (DTYPES, PREFIX, class_names, count_qdq, export_graph,  # noqa: E402
-                           load_for_export, report_lint, save_onnx)
+from models.export import (DTYPES, PREFIX, GraphSpec, artefact, class_names, count_qdq,  # noqa: E402
+                           export_graph, load_for_export, recorded_settings, report_lint, save_onnx, stamp)
 
 
 class DeepStreamHead(nn.Module):
@@ -45,25 +46,27 @@ class DeepStreamHead(nn.Module):
         return torch.cat([xy - wh / 2, xy + wh / 2, score, cls.to(score.dtype)], -1)
 
 
-def run(weights, size, opset, simplify_, dynamic, batch, device, exist_ok, trust_checkpoint=False, dtype="fp16",
-        io_dtype="fp32", **_) -> dict:
-    weights = Path(weights)
-    quantized = is_quantized(read_checkpoint(weights, trust_checkpoint)["model"])
-    model = _load_any_head(weights, device, trust_checkpoint)
+def run(**flags) -> dict:
+    weights = Path(flags.pop("weights"))
+    size = flags.pop("size")
+    spec = GraphSpec(tuple((size * 2)[:2]), flags.pop("batch"), flags.pop("dynamic"), flags.pop("simplify_"),
+                     flags.pop("opset"), flags.pop("dtype"), flags.pop("io_dtype"))
+    device, exist_ok, trust = torch.device(flags.pop("device")), flags.pop("exist_ok"), flags.pop("trust_checkpoint")
+    quantized = is_quantized(read_checkpoint(weights, trust)["model"])
+    model = _load_any_head(weights, device, trust)
     head = type(model.model[-1]).__name__
-    h, w = (size * 2)[:2]
-    im = torch.zeros(batch, 3, h, w, device=device)
-    proto = export_graph(model, im, opset, dynamic, simplify_, dtype, io_dtype, wrapper=DeepStreamHead(model).eval(),
-                         output_names=("output",))
+    proto = export_graph(model, spec, device, wrapper=DeepStreamHead(model).eval(), output_names=("output",))
     lint = report_lint(proto)
-    path = save_onnx(proto, weights.with_suffix(".onnx"), exist_ok)
+    proto = stamp(proto, recorded_settings(weights, "deepstream", spec, None))
+    path = save_onnx(proto, artefact(weights, "deepstream"), exist_ok)
     names = class_names(model)
-    labels = atomic_write(weights.parent / "labels.txt", lambda tmp: Path(tmp).write_text("\n".join(names) + "\n"))
+    labels = atomic_write(path.with_name(path.stem + "-labels.txt"),
+                          lambda tmp: Path(tmp).write_text("\n".join(names) + "\n"), exist_ok)
     q, dq = count_qdq(proto)
     LOGGER.info(f"{PREFIX}{'QAT (INT8 Q/DQ)' if quantized else 'standard (float)'} model, {head} head -> "
                 f"{colorstr('bold', path)}, {len(names)} labels -> {labels}")
     return {"onnx": str(path), "labels": str(labels), "quantized": quantized, "head": head, "qdq_pairs": min(q, dq),
-            "dtype": dtype, "io_dtype": io_dtype, "lint": lint.to_dict()}
+            "dtype": spec.dtype, "io_dtype": spec.io_dtype, "lint": lint.to_dict()}
 
 
 def _load_any_head(weights: Path, device, trust: bool):
@@ -74,8 +77,7 @@ def _load_any_head(weights: Path, device, trust: bool):
         if "reparameterization.py" not in str(e):
             raise
         ckpt = read_checkpoint(weights, trust)
-        model = (ckpt.get("ema") or ckpt["model"]).float().fuse().to(device).eval()
-        return model
+        return (ckpt.get("ema") or ckpt["model"]).float().fuse().to(device).eval()
 
 
 def parse_opt(argv=None):

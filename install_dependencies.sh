@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Install the pinned Python stack of yolov9-qat into the active Python (use a venv if you like).
-#   ./install_dependencies.sh [--no-torch] [--tensorrt] [--modelopt]
+#   ./install_dependencies.sh [--no-torch] [--tensorrt] [--modelopt] [--trex]
 #     --no-torch   keep the torch/torchvision already installed (e.g. an NVIDIA PyTorch container)
 #     --tensorrt   also try the TensorRT Python package (pip); says clearly when it cannot be had
 #     --modelopt   also NVIDIA Model Optimizer's ONNX quantizer, the peer in scripts/benchmark_accuracy.py --modelopt
+#     --trex       (the reference's flag) nothing to install: utils.engine_graph replaces TensorRT Explorer
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PY="${PYTHON:-python3}"
@@ -14,7 +15,8 @@ for arg in "$@"; do
     --no-torch) with_torch=0 ;;
     --tensorrt) with_trt=1 ;;
     --modelopt) with_modelopt=1 ;;
-    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+    --trex) echo "install_dependencies: --trex: TensorRT Explorer left the TensorRT repository in 11.1; python -m utils.engine_graph replaces it (no install; Graphviz draws the SVG); installing the rest" ;;
+    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
     *) echo "install_dependencies: error: unknown option $arg (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -47,3 +47,5 @@ fi
 echo "$commit" > "$DIR/.yolov9_qat_commit"
 echo "$HERE" > "$DIR/.yolov9_qat_source"
 echo "patch_yolov9: $copied file(s) copied, $unchanged already up to date, into $DIR"
+# upstream's own scripts on this stack (torch >= 2.6, Pillow >= 10, offline): see utils/upstream_compat.py
+"${PYTHON:-python3}" "$HERE/utils/upstream_compat.py" "$DIR"

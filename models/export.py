@@ -1,16 +1,19 @@
-"""ONNX export steps shared by export_qat.py and export_yoloV9.py: loading, export, EfficientNMS_TRT,
-onnxslim, atomic save, lint, and the ONNX Runtime parity check."""
+"""The export path of export_qat.py and export_yoloV9.py: loading, the graph (FP32 trace, onnxslim, FP16
+conversion), NMS inside the graph, the settings recorded in the ONNX metadata, one file name per artefact, the
+lint, and the ONNX Runtime parity check."""
 from __future__ import annotations
 
+import json
 import tempfile
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
 import torch
 import torch.nn as nn
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from models.checkpoint import load_float_model, load_quantized_model, read_checkpoint
 from models.quantize import is_quantized
@@ -18,12 +21,57 @@ from models.task import task_of
 from utils.general import LOGGER, colorstr
 from utils.io_utils import atomic_write
 from utils.onnx_fp16 import FP16_OPSET, to_fp16
+from utils.onnx_nms import NMSSettings, add_nms
 from utils.onnx_utils import export_onnx
+from utils.provenance import sha256, toolkit_commit
 from utils.qdq_lint import LintReport, lint
 
 PREFIX = colorstr("export: ")
-NMS_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
 DTYPES = ("fp16", "fp32")  # the type of everything in a graph that is not INT8
+SETTINGS_KEY = "yolov9_qat.export"  # ONNX metadata: what the file was exported from and how
+# One file name per artefact, beside the weights: W.onnx, W-end2end.onnx, W-end2end-efficientnms.onnx,
+# W-deepstream.onnx (+ W-deepstream-labels.txt)
+SUFFIXES = {"plain": "", "end2end": "-end2end", "end2end-efficient": "-end2end-efficientnms",
+            "deepstream": "-deepstream"}
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """The deployable graph's shape and types."""
+    imgsz: tuple[int, int] = (640, 640)
+    batch_size: int = 1                  # the static batch, or the tracing batch of a dynamic export
+    dynamic: bool = False
+    simplify: bool = False
+    opset: int = 17
+    dtype: str = "fp16"
+    io_dtype: str = "fp32"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES or self.io_dtype not in DTYPES:
+            raise ValueError(f"--dtype and --io-dtype must be one of {DTYPES}")
+        if self.io_dtype == "fp16" and self.dtype != "fp16":
+            raise ValueError("--io-dtype fp16 needs --dtype fp16")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    weights: str
+    spec: GraphSpec = field(default_factory=GraphSpec)
+    end2end: NMSSettings | None = None   # None: the plain graph
+    inplace: bool = False
+    device: str = "cpu"
+    trust_checkpoint: bool = False
+
+
+def artefact(weights: str | Path, kind: str) -> Path:
+    weights = Path(weights)
+    return weights.with_name(weights.stem + SUFFIXES[kind] + ".onnx")
+
+
+def output_kind(end2end: NMSSettings | None) -> str:
+    if end2end is None:
+        return "plain"
+    return "end2end" if end2end.kind == "onnx" else "end2end-efficient"
 
 
 def load_for_export(weights: str | Path, device: str | torch.device = "cpu", inplace: bool = False,
@@ -52,32 +100,22 @@ def count_qdq(model: onnx.ModelProto) -> tuple[int, int]:
     return ops.count("QuantizeLinear"), ops.count("DequantizeLinear")
 
 
-def export_to_proto(model: nn.Module, im: torch.Tensor, opset: int, dynamic: bool,
-                    wrapper: nn.Module | None = None, output_names=("output0",)) -> onnx.ModelProto:
-    """Export through a temp file (large models exceed protobuf's in-memory limits) and load it back."""
-    module = model if wrapper is None else wrapper
+def export_graph(model: nn.Module, spec: GraphSpec, device: torch.device, wrapper: nn.Module | None = None,
+                 output_names=("output0",)) -> onnx.ModelProto:
+    """The deployable graph: traced in FP32 (through a temp file: large models exceed protobuf's in-memory limits),
+    optionally simplified, then (dtype fp16) with every non-INT8 part in FP16 for strongly typed TensorRT builds
+    (utils/onnx_fp16.py)."""
+    opset = max(spec.opset, FP16_OPSET) if spec.dtype == "fp16" else spec.opset  # FP16 Q/DQ scales need opset 19
+    im = torch.zeros(spec.batch_size, 3, *spec.imgsz, device=device)
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "model.onnx"
-        export_onnx(module, im, f, opset=opset, dynamic=dynamic, output_names=output_names)
+        export_onnx(model if wrapper is None else wrapper, im, f, opset=opset, dynamic=spec.dynamic,
+                    output_names=output_names)
         proto = onnx.load(str(f))
     onnx.checker.check_model(proto)
-    return proto
-
-
-def export_graph(model: nn.Module, im: torch.Tensor, opset: int, dynamic: bool, simplify_: bool, dtype: str,
-                 io_dtype: str, wrapper: nn.Module | None = None, output_names=("output0",)) -> onnx.ModelProto:
-    """The deployable graph: traced in FP32, optionally simplified, then (dtype fp16) with every non-INT8
-    part in FP16 for strongly typed TensorRT builds (utils/onnx_fp16.py)."""
-    if dtype == "fp16":  # FP16 Q/DQ scales need opset 19; traced there, not bumped (Reduce ops changed at 18)
-        opset = max(opset, FP16_OPSET)
-    proto = export_to_proto(model, im, opset, dynamic, wrapper, output_names)
-    if simplify_:
+    if spec.simplify:
         proto = simplify(proto)
-    if dtype == "fp16":
-        proto = to_fp16(proto, io_dtype)
-    elif io_dtype != "fp32":
-        raise ValueError("--io-dtype fp16 needs --dtype fp16")
-    return proto
+    return to_fp16(proto, spec.io_dtype) if spec.dtype == "fp16" else proto
 
 
 def simplify(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -92,50 +130,40 @@ def simplify(proto: onnx.ModelProto) -> onnx.ModelProto:
     return slim
 
 
-def add_efficient_nms(proto: onnx.ModelProto, num_classes: int, conf_thres: float, iou_thres: float, max_det: int,
-                      class_agnostic: bool = False) -> onnx.ModelProto:
-    """Append TensorRT's EfficientNMS_TRT plugin to a (batch, 4+nc, anchors) xywh + scores output.
+def recorded_settings(weights: str | Path, kind: str, spec: GraphSpec, end2end: NMSSettings | None) -> dict:
+    """What an exported file is: the weights' digest, the artefact, the graph spec and the NMS settings."""
+    return {"weights_sha256": sha256(weights), "artefact": kind, **asdict(spec),
+            "imgsz": list(spec.imgsz), **({"nms": asdict(end2end)} if end2end else {})}
 
-    Outputs: num_dets [B,1] int32, det_boxes [B,max_det,4] float (x1,y1,x2,y2), det_scores [B,max_det] float,
-    det_classes [B,max_det] int32.
-    """
-    proto = onnx.ModelProto.FromString(proto.SerializeToString())
-    graph = proto.graph
-    out = graph.output[0]
-    dtype = out.type.tensor_type.elem_type  # the plugin's boxes and scores keep the predictions' type
-    preds = out.name
-    cast = next((n for n in graph.node if n.output[0] == out.name and n.op_type == "Cast"), None)
-    if cast is not None:  # an FP16 graph with FP32 outputs: NMS runs on the FP16 predictions, its outputs are cast
-        graph.node.remove(cast)
-        preds = cast.input[0]
-    nc = num_classes
-    batch_dim = out.type.tensor_type.shape.dim[0]
-    batch = batch_dim.dim_param or batch_dim.dim_value or "batch"
-    const = [helper.make_tensor("nms_split", TensorProto.INT64, [2], [4, nc])]
-    graph.initializer.extend(const)
-    plugin_outputs = list(NMS_OUTPUTS)
-    if cast is not None:
-        plugin_outputs[1:3] = ["det_boxes_fp16", "det_scores_fp16"]
-    graph.node.extend([
-        helper.make_node("Transpose", [preds], ["nms_preds"], perm=[0, 2, 1], name="nms_transpose"),
-        helper.make_node("Split", ["nms_preds", "nms_split"], ["nms_boxes", "nms_scores"], axis=2, name="nms_split"),
-        helper.make_node("EfficientNMS_TRT", ["nms_boxes", "nms_scores"], plugin_outputs, name="EfficientNMS_TRT",
-                         background_class=-1, box_coding=1, iou_threshold=float(iou_thres),
-                         max_output_boxes=int(max_det), plugin_version="1", score_activation=0,
-                         score_threshold=float(conf_thres), **({"class_agnostic": 1} if class_agnostic else {})),
-    ])
-    if cast is not None:
-        graph.node.extend(helper.make_node("Cast", [f"{n}_fp16"], [n], to=dtype, name=f"{n}_to_fp32")
-                          for n in ("det_boxes", "det_scores"))
-    del graph.output[:]
-    graph.output.extend([
-        helper.make_tensor_value_info("num_dets", TensorProto.INT32, [batch, 1]),
-        helper.make_tensor_value_info("det_boxes", dtype, [batch, max_det, 4]),
-        helper.make_tensor_value_info("det_scores", dtype, [batch, max_det]),
-        helper.make_tensor_value_info("det_classes", TensorProto.INT32, [batch, max_det]),
-    ])
-    LOGGER.info(f"{PREFIX}EfficientNMS_TRT appended ({nc} classes, max {max_det} detections per image)")
+
+def read_settings(path: str | Path) -> dict | None:
+    """The settings an existing export recorded (None for a file this toolkit did not write)."""
+    meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    return json.loads(meta[SETTINGS_KEY]) if SETTINGS_KEY in meta else None
+
+
+def stamp(proto: onnx.ModelProto, settings: dict) -> onnx.ModelProto:
+    proto.metadata_props.extend([onnx.StringStringEntryProto(key=SETTINGS_KEY, value=json.dumps(settings)),
+                                 onnx.StringStringEntryProto(key="yolov9_qat.commit", value=toolkit_commit())])
     return proto
+
+
+def export_model(cfg: ExportConfig) -> tuple[nn.Module, onnx.ModelProto, onnx.ModelProto]:
+    """(the model, its plain graph, the graph to save: the plain one, or with NMS inside)."""
+    device = torch.device(cfg.device)
+    model = load_for_export(cfg.weights, device, cfg.inplace, cfg.trust_checkpoint)
+    task = task_of(model)
+    if cfg.end2end is not None and cfg.end2end.kind == "efficient" and task.has_masks:
+        raise ValueError(f"--nms efficient: {cfg.weights} is a segmentation model, and EfficientNMS_TRT does not "
+                         "output which anchors it kept, so their masks cannot follow; use --nms onnx (the default)")
+    plain = export_graph(model, cfg.spec, device, output_names=task.output_names)
+    final = plain
+    if cfg.end2end is not None:
+        from models.runners import TorchRunner
+        outputs = TorchRunner(model)(torch.zeros(1, 3, *cfg.spec.imgsz))
+        final = add_nms(plain, int(model.model[-1].nc), {k: tuple(v.shape) for k, v in outputs.items()}, cfg.end2end)
+    kind = output_kind(cfg.end2end)
+    return model, plain, stamp(final, recorded_settings(cfg.weights, kind, cfg.spec, cfg.end2end))
 
 
 def save_onnx(proto: onnx.ModelProto, path: Path, exist_ok: bool) -> Path:

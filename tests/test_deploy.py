@@ -64,13 +64,19 @@ def test_fp16_graph_is_all_fp16_and_matches_the_fp32_graph(quantized_weights, de
 
 
 def test_fp16_io_and_end_to_end_with_nms(quantized_weights, tmp_path):
-    res = _export(quantized_weights, tmp_path, "--io-dtype", "fp16", "--include", "onnx_end2end")
+    res = _export(quantized_weights, tmp_path, "--io-dtype", "fp16", "--include", "onnx_end2end", "--nms", "efficient")
     graph = onnx.load(res["onnx"]).graph
     types = {v.name: v.type.tensor_type.elem_type for v in list(graph.input) + list(graph.output)}
     assert types == {"images": onnx.TensorProto.FLOAT16, "num_dets": onnx.TensorProto.INT32,
                      "det_boxes": onnx.TensorProto.FLOAT16, "det_scores": onnx.TensorProto.FLOAT16,
                      "det_classes": onnx.TensorProto.INT32}
     assert lint_file(res["onnx"]).typing_error == ""  # the plugin is passed over, the rest type-checks
+    # standard NMS: post-processing in FP32 (ONNX Runtime's NonMaxSuppression takes FP32), exempt from the lint
+    res = _export(quantized_weights, tmp_path, "--io-dtype", "fp16", "--include", "onnx_end2end")
+    graph = onnx.load(res["onnx"]).graph
+    assert [o.type.tensor_type.elem_type for o in graph.output][1:3] == [onnx.TensorProto.FLOAT] * 2
+    report = lint_file(res["onnx"])
+    assert report.typing_error == "" and report.fp32_compute == [] and report.problems == 0
     r = run_cli("export_qat.py", "--weights", quantized_weights, "--imgsz", IMGSZ, "--dtype", "fp32",
                 "--io-dtype", "fp16", "--exist-ok")
     assert r.returncode == 2 and "--io-dtype fp16 needs --dtype fp16" in r.stderr
@@ -151,6 +157,40 @@ def test_engine_script_builds_each_graph_with_the_flags_of_the_found_version(qua
     print(f"TensorRT v{version_code}, {dtype} graph: trtexec {' '.join(args)}")
 
 
+@pytest.mark.parametrize("version_code", ["110000", "100300"])
+def test_engine_script_static_graph_relative_path_and_profile_flags(quantized_weights, tmp_path, version_code):
+    """A static graph gets no shapes (trtexec: "Static model does not take explicit shapes"), a relative path works
+    from another folder (the engine-graph report too), and 11.x gets no flag it no longer honours."""
+    res = _export(quantized_weights, tmp_path)  # dynamic
+    static = tmp_path / "static.pt"
+    static.write_bytes(quantized_weights.read_bytes())
+    assert run_cli("export_qat.py", "--weights", static, "--imgsz", IMGSZ, "--batch-size", 2).returncode == 0
+    bin_dir = _fake_trtexec(tmp_path, version_code)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = subprocess.run(["bash", str(REPO / "scripts/generate_trt_engine.sh"), "../static.onnx", str(IMGSZ)],
+                       capture_output=True, text=True, env=env, cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    args = (bin_dir / "args").read_text().split()
+    assert f"--onnx={tmp_path / 'static.onnx'}" in args and not [a for a in args if "Shapes=" in a]
+    assert (tmp_path / "static.engine").is_file()
+    r = subprocess.run(["bash", str(REPO / "scripts/generate_trt_engine.sh"), "../static.onnx", str(IMGSZ), "--batch", "4"],
+                       capture_output=True, text=True, env=env, cwd=elsewhere)
+    assert r.returncode == 2 and "static batch of 2" in r.stderr
+    from utils.trtexec import benchmark_command, build_command, read_graph
+    graph = read_graph(res["onnx"])
+    build = build_command("trtexec", (int(version_code[:2]), int(version_code[2:4]), 0), graph, None, profile=True)
+    bench = benchmark_command("trtexec", (int(version_code[:2]), int(version_code[2:4]), 0), graph, 8, "e.engine")
+    retired = {"--separateProfileRun", "--useCudaGraph", "--useSpinWait", "--noDataTransfers"}
+    if version_code.startswith("11"):
+        assert not retired & set(build + bench)
+    else:
+        assert "--separateProfileRun" in build and {"--useCudaGraph", "--noDataTransfers"} <= set(bench)
+    assert f"--maxShapes=images:8x3x{IMGSZ}x{IMGSZ}" in bench and "--exportLayerInfo=" in " ".join(build)
+    print(f"TensorRT v{version_code}: static build: trtexec {' '.join(args)}")
+
+
 def test_engine_script_refuses_an_fp32_graph_on_tensorrt_11(quantized_weights, tmp_path):
     res = _export(quantized_weights, tmp_path, "--dtype", "fp32")
     bin_dir = _fake_trtexec(tmp_path, "110000")
@@ -161,25 +201,42 @@ def test_engine_script_refuses_an_fp32_graph_on_tensorrt_11(quantized_weights, t
     assert not (bin_dir / "args").exists()  # trtexec never ran
 
 
-@pytest.mark.parametrize("prefix,layers,reformats,inside,qdq", [
-    ("mobilenet.qat.onnx.engine", 73, 18, 17, 17),             # residual Add inputs not quantized
-    ("mobilenet_v2_residuals.qat.onnx.engine", 58, 3, 2, 2)])  # quantized residual inputs
-def test_engine_graph_on_real_tensorrt_engines(prefix, layers, reformats, inside, qdq, tmp_path):
+@pytest.mark.parametrize("prefix,layers,reformats,inside,problems,int8_share", [
+    ("mobilenet.qat.onnx.engine", 73, 18, 17, 15, 0.8149),             # residual Add inputs not quantized
+    ("mobilenet_v2_residuals.qat.onnx.engine", 58, 3, 2, 0, 0.9506)])  # quantized residual inputs
+def test_engine_graph_on_real_tensorrt_engines(prefix, layers, reformats, inside, problems, int8_share, tmp_path):
+    """Two engines TensorRT built from MobileNetV2 Q/DQ graphs: without quantized residual inputs every block's INT8
+    result goes through FP16 only to be quantized again (15 requantizations: --strict fails); with them INT8 tensors
+    flow from layer to layer, and the two reformats left (a layout copy before the FP16 pooling and the quantize of
+    its output for the classifier) are what the guidance allows (--strict passes). Layers count by the precision
+    they read: an INT8 convolution that writes FP16 is INT8."""
     if not (FIXTURES / f"{prefix}.graph.json").is_file():
         pytest.skip(f"the shared engine-graph fixtures were not found (set YOLOV9_QAT_SHARED); looked in {FIXTURES}")
     graph, profile = FIXTURES / f"{prefix}.graph.json", FIXTURES / f"{prefix}.profile.json"
     report = analyse(*load_layers(graph), load_profile(profile))
     assert report.layers == layers and len(report.reformats) == reformats and report.internal_reformats == inside
-    assert sum(r["origin"] == "QDQ" for r in report.reformats) == qdq
-    assert report.reformats[0]["where"] == "network input" and report.reformats[0]["to"] == "INT8"
+    assert len(report.violations) == problems
+    assert report.reformats[0]["where"] == "network input" and report.reformats[0]["kind"] == "quantize"
     assert report.by_precision["INT8"] == 53
+    assert report.time_share_by_precision["INT8"] == pytest.approx(int8_share, abs=1e-4)
     assert sum(report.time_share_by_precision.values()) == pytest.approx(1.0, abs=1e-3)
     r = subprocess.run([os.sys.executable, "-m", "utils.engine_graph", str(graph), "--profile", str(profile),
                         "--strict", "--svg", str(tmp_path / "g.svg")], cwd=REPO, capture_output=True, text=True)
-    assert r.returncode == 1 and f"Reformat layers: {reformats} ({inside} inside the network)" in r.stdout
+    assert r.returncode == (1 if problems else 0) and f"Reformat layers: {reformats} ({inside} inside" in r.stdout
     drawn = tmp_path / ("g.svg" if (tmp_path / "g.svg").exists() else "g.dot")
     assert drawn.stat().st_size > 1000
     print(report.summary())
+
+
+def test_engine_graph_baseline_finds_the_reformats_another_engine_has_not():
+    if not (FIXTURES / "mobilenet.qat.onnx.engine.graph.json").is_file():
+        pytest.skip(f"the shared engine-graph fixtures were not found (set YOLOV9_QAT_SHARED); looked in {FIXTURES}")
+    worse, better = (FIXTURES / f"{p}.qat.onnx.engine.graph.json" for p in ("mobilenet", "mobilenet_v2_residuals"))
+    run = lambda a, b: subprocess.run([os.sys.executable, "-m", "utils.engine_graph", str(a), "--baseline", str(b)],  # noqa: E731
+                                      cwd=REPO, capture_output=True, text=True)
+    r = run(worse, better)
+    assert r.returncode == 1 and "12 more requantize FP16->INT8 (inside)" in r.stdout
+    assert run(better, worse).returncode == 0
 
 
 def test_engine_graph_reads_tensorrt_11_layer_json(tmp_path):
@@ -201,8 +258,10 @@ def test_engine_graph_reads_tensorrt_11_layer_json(tmp_path):
     path = tmp_path / "m.layer.json"
     path.write_text(json.dumps(layers))
     report = analyse(*load_layers(path))
-    assert report.by_precision == {"INT8": 3, "FP16": 1}
-    assert [(r["name"], r["where"]) for r in report.reformats] == [("q_in", "network input"), ("requant", "inside")]
+    assert report.by_precision == {"FP32": 1, "INT8": 3}  # by what they read: q_in reads the FP32 input
+    assert [(r["name"], r["where"], r["kind"]) for r in report.reformats] == [("q_in", "network input", "quantize"),
+                                                                              ("requant", "inside", "requantize")]
+    assert [v["name"] for v in report.violations] == ["requant"]
     dot = to_dot(*load_layers(path))
     assert dot.count("->") == 5 and "Reformat (INT8)" in dot
     (tmp_path / "bad.json").write_text(json.dumps({"Layers": ["conv1", "conv2"]}))  # not --profilingVerbosity=detailed

@@ -116,27 +116,41 @@ def test_scales_in_onnx_are_amax_over_127(tmp_path):
     assert float(inits[first_q.input[1]]) == pytest.approx(float(q.amax) / 127, rel=1e-6)
 
 
-def test_end2end_has_efficient_nms_and_cli_lint(quantized_weights, tmp_path):
+def test_end2end_graphs_are_checker_clean_and_record_their_thresholds(quantized_weights, tmp_path):
     cfg, weights = quantized_weights
     if cfg != "gelan-t":
         pytest.skip("one model is enough for the CLI path")
-    r = run_cli("export_qat.py", "--weights", weights, "--include", "onnx_end2end", "--imgsz", IMGSZ,
-                "--dynamic", "--conf-thres", 0.3, "--iou-thres", 0.6, "--topk-all", 50, "--exist-ok")
+    common = ["--weights", weights, "--include", "onnx_end2end", "--imgsz", IMGSZ, "--dynamic", "--conf-thres", 0.3,
+              "--iou-thres", 0.6, "--topk-all", 50, "--exist-ok"]
+    r = run_cli("export_qat.py", *common, "--nms", "efficient")
     assert r.returncode == 0, r.stderr[-3000:]
-    path = weights.with_name(weights.stem + "-end2end.onnx")
+    path = weights.with_name(weights.stem + "-end2end-efficientnms.onnx")
     proto = onnx.load(str(path))
-    nms = [n for n in proto.graph.node if n.op_type == "EfficientNMS_TRT"]
-    assert len(nms) == 1
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nms[0].attribute}
+    onnx.checker.check_model(proto)  # the plugin sits in TensorRT's plugin domain, which the graph imports
+    (nms,) = [n for n in proto.graph.node if n.op_type == "EfficientNMS_TRT"]
+    assert nms.domain == "trt.plugins" and "trt.plugins" in {o.domain for o in proto.opset_import}
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nms.attribute}
     assert attrs["background_class"] == -1 and attrs["box_coding"] == 1 and attrs["score_activation"] == 0
     assert attrs["max_output_boxes"] == 50
     assert attrs["score_threshold"] == pytest.approx(0.3) and attrs["iou_threshold"] == pytest.approx(0.6)
     assert [o.name for o in proto.graph.output] == ["num_dets", "det_boxes", "det_scores", "det_classes"]
-    # The graph below the plugin is the plain export, still lint-clean.
-    assert lint(proto).problems == 0
+    assert lint(proto).problems == 0  # the graph below the plugin is the plain export, still lint-clean
+    r = run_cli("export_qat.py", *common)  # the standard one: its own file, checker-clean, run by ONNX Runtime
+    assert r.returncode == 0, r.stderr[-3000:]
+    path = weights.with_name(weights.stem + "-end2end.onnx")
+    proto = onnx.load(str(path))
+    onnx.checker.check_model(proto)
+    assert "NonMaxSuppression" in {n.op_type for n in proto.graph.node} and not any(n.domain for n in proto.graph.node)
+    meta = {m.key: m.value for m in proto.metadata_props}
+    assert (meta["nms"], float(meta["conf_thres"]), float(meta["iou_thres"]), int(meta["max_det"])) == ("onnx", 0.3,
+                                                                                                         0.6, 50)
+    import onnxruntime as ort
+    out = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+        None, {"images": np.random.default_rng(0).random((2, 3, IMGSZ, IMGSZ), dtype=np.float32)})
+    assert [o.shape for o in out] == [(2, 1), (2, 50, 4), (2, 50), (2, 50)]
     r = run_cli("utils/qdq_lint.py", path, "--strict")
     assert r.returncode == 0, r.stdout + r.stderr
-    r = run_cli("export_qat.py", "--weights", weights, "--include", "onnx_end2end", "--imgsz", IMGSZ)
+    r = run_cli("export_qat.py", *common[:-1])
     assert r.returncode != 0 and "--exist-ok" in r.stderr + r.stdout  # never overwrites silently
 
 
@@ -161,13 +175,14 @@ def test_deepstream_export(quantized_weights, tmp_path):
     r = run_cli("export_yoloV9.py", "--weights", weights, "--size", IMGSZ, "--dynamic", "--simplify", "--exist-ok")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "QAT (INT8 Q/DQ)" in r.stdout + r.stderr
-    proto = onnx.load(str(weights.with_suffix(".onnx")))
+    deepstream = weights.with_name(weights.stem + "-deepstream.onnx")  # never the TensorRT graph's name
+    proto = onnx.load(str(deepstream))
     assert [o.name for o in proto.graph.output] == ["output"]
     assert proto.graph.output[0].type.tensor_type.shape.dim[2].dim_value == 6
-    labels = (weights.parent / "labels.txt").read_text().split()
+    labels = weights.with_name(weights.stem + "-deepstream-labels.txt").read_text().split()
     assert labels == [f"class{i}" for i in range(12)]
     import onnxruntime as ort
-    sess = ort.InferenceSession(str(weights.with_suffix(".onnx")), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(str(deepstream), providers=["CPUExecutionProvider"])
     out = sess.run(None, {"images": np.random.rand(3, 3, IMGSZ, IMGSZ).astype(np.float32)})[0]
     assert out.shape[0] == 3 and out.shape[2] == 6
     assert (out[..., 2] >= out[..., 0]).all() and (out[..., 5] >= 0).all() and (out[..., 5] < 12).all()

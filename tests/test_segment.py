@@ -141,15 +141,38 @@ def test_val_trt_detects_segmentation_and_refuses_what_it_cannot_do(seg_onnx, se
     assert result["task"] == "segment" and result["mask_ap50"] > 0.1 and "Mask AP" in result["table"]
     if not shutil.which("trtexec"):  # the script: export, then (no TensorRT here) ONNX Runtime, for either task
         r = subprocess.run(["bash", str(checkout / "scripts" / "val_trt.sh"), str(weights), str(seg_data), str(SIZE),
-                            "--batch-size", "4", "--exist-ok"], cwd=checkout, text=True, capture_output=True, timeout=900)
+                            "--batch-size", "4"], cwd=checkout, text=True, capture_output=True, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "Mask AP" in r.stdout + r.stderr and "(onnxruntime, batch 4)" in r.stdout + r.stderr
     r = run_cli("val_trt.py", "--onnx-file", onnx_path, "--data", seg_data, "--imgsz", SIZE, "--no-nms",
                 "--project", tmp_path)
     assert r.returncode == 2 and "--no-nms" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("export_qat.py", "--weights", weights, "--imgsz", SIZE, "--include", "onnx_end2end")
-    assert r.returncode == 2 and "EfficientNMS_TRT does not output which anchors it kept" in r.stderr
-    assert not weights.with_name(weights.stem + "-end2end.onnx").exists()
+    r = run_cli("export_qat.py", "--weights", weights, "--imgsz", SIZE, "--include", "onnx_end2end", "--nms",
+                "efficient")
+    assert r.returncode == 2 and "EfficientNMS_TRT does not" in r.stderr and "--nms onnx" in r.stderr
+    assert not weights.with_name(weights.stem + "-end2end-efficientnms.onnx").exists()
+
+
+def test_end_to_end_graph_gathers_the_kept_masks(seg_onnx, seg_data, tmp_path):
+    """Segmentation end to end in standard ONNX: NonMaxSuppression's kept (anchor, class) pairs gather their mask
+    coefficients, the graph assembles the masks (coefficients x prototypes, cropped to the box, > 0.5), and its box
+    and mask mAP in ONNX Runtime equal the plain graph's (exported at the evaluation's thresholds)."""
+    weights, plain, _ = seg_onnx
+    e2e = tmp_path / "seg.pt"
+    shutil.copy(weights, e2e)
+    r = run_cli("export_qat.py", "--weights", e2e, "--imgsz", SIZE, "--dynamic", "--dtype", "fp32", "--include",
+                "onnx_end2end", "--conf-thres", 0.001, "--iou-thres", 0.7, "--topk-all", 300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = {}
+    for name, onnx_file in (("plain", plain), ("e2e", e2e.with_name("seg-end2end.onnx"))):
+        r = run_cli("val_trt.py", "--onnx-file", onnx_file, "--data", seg_data, "--imgsz", SIZE, "--batch-size", 4,
+                    "--workers", 0, "--project", tmp_path, "--name", name)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[name] = json.loads((tmp_path / name / "val_trt.json").read_text())
+    print(out)
+    assert out["e2e"]["task"] == "segment" and out["plain"]["mask_ap50"] > 0.1
+    for k in ("ap", "ap50", "mask_ap", "mask_ap50"):
+        assert out["e2e"][k] == pytest.approx(out["plain"][k], abs=0.005), k
 
 
 @pytest.mark.skipif(SHARED is None or not (SHARED / "datasets" / "coco128-seg-416").is_dir(),

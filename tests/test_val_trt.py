@@ -120,15 +120,16 @@ def test_bad_inputs(quantized, demo_data320, tmp_path):
     r = run_cli("val_trt.py", "--onnx-file", static.with_suffix(".onnx"), "--data", demo_data320, "--imgsz", 256,
                 "--batch-size", 2, "--project", tmp_path)
     assert r.returncode == 2 and "--imgsz" in r.stderr
-    assert run_cli("export_qat.py", "--weights", static, "--imgsz", SIZE, "--include", "onnx_end2end").returncode == 0
-    r = run_cli("val_trt.py", "--onnx-file", static.with_name("static-end2end.onnx"), "--data", demo_data320,
-                "--imgsz", SIZE, "--project", tmp_path)
+    assert run_cli("export_qat.py", "--weights", static, "--imgsz", SIZE, "--include", "onnx_end2end", "--nms",
+                   "efficient").returncode == 0
+    r = run_cli("val_trt.py", "--onnx-file", static.with_name("static-end2end-efficientnms.onnx"), "--data",
+                demo_data320, "--imgsz", SIZE, "--project", tmp_path)
     assert r.returncode == 2 and "EfficientNMS_TRT" in r.stderr
     r = run_cli("val_trt.py", "--engine-file", tmp_path / "typo.engine", "--data", demo_data320)
     assert r.returncode == 2 and "typo.engine: file not found" in r.stderr  # not "TensorRT is not installed"
     assert run_cli("export_yoloV9.py", "--weights", static, "--size", SIZE, "--exist-ok").returncode == 0
-    r = run_cli("val_trt.py", "--onnx-file", static.with_suffix(".onnx"), "--data", demo_data320, "--imgsz", SIZE,
-                "--project", tmp_path)
+    r = run_cli("val_trt.py", "--onnx-file", static.with_name("static-deepstream.onnx"), "--data", demo_data320,
+                "--imgsz", SIZE, "--project", tmp_path)
     assert r.returncode == 2 and "DeepStream" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -189,16 +190,60 @@ def test_tensorrt_engine_matches_onnxruntime(quantized, demo_data320, tmp_path):
     assert out["trt"]["ap"] == pytest.approx(out["ort"]["ap"], abs=0.005)
 
 
-def test_val_trt_script_falls_back_to_onnxruntime(quantized, demo_data320, checkout):
+def test_end_to_end_graph_scores_like_the_plain_graph(quantized, demo_data320, tmp_path):
+    """NMS inside the graph (standard ONNX NonMaxSuppression), exported at the evaluation's thresholds, measured by
+    the same loop as the plain graph: the same mAP (NonMaxSuppression and upstream's NMS keep the same boxes, up to
+    ties), and the thresholds it was built with reported; other thresholds than the loop's are warned about."""
+    weights, plain = quantized
+    e2e = tmp_path / "e2e.pt"
+    shutil.copy(weights, e2e)
+    r = run_cli("export_qat.py", "--weights", e2e, "--include", "onnx_end2end", "--dynamic", "--imgsz", SIZE,
+                "--conf-thres", 0.001, "--iou-thres", 0.7, "--topk-all", 300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = {}
+    for name, onnx_file in (("plain", plain), ("e2e", e2e.with_name("e2e-end2end.onnx"))):
+        r = run_cli("val_trt.py", "--onnx-file", onnx_file, "--data", demo_data320, "--imgsz", SIZE, "--batch-size", 4,
+                    "--workers", 0, "--project", tmp_path, "--name", name)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[name] = json.loads((tmp_path / name / "val_trt.json").read_text())
+    print(out)
+    assert out["plain"]["ap50"] > 0.1
+    assert out["e2e"]["nms_in_graph"] == {"conf_thres": 0.001, "iou_thres": 0.7, "max_det": 300.0}
+    for k in ("ap", "ap50"):
+        assert out["e2e"][k] == pytest.approx(out["plain"][k], abs=0.005), k
+    r = run_cli("export_qat.py", "--weights", e2e, "--include", "onnx_end2end", "--dynamic", "--imgsz", SIZE,
+                "--exist-ok")  # the deployment defaults: 0.25 / 0.45 / 100
+    r = run_cli("val_trt.py", "--onnx-file", e2e.with_name("e2e-end2end.onnx"), "--data", demo_data320, "--imgsz", SIZE,
+                "--batch-size", 4, "--workers", 0, "--project", tmp_path, "--name", "defaults")
+    assert r.returncode == 0 and "NMS runs inside this graph with conf_thres 0.25 (--conf-thres 0.001)" in r.stderr
+
+
+def test_readme_steps_6_and_7_in_order(quantized, demo_data320, tmp_path):
+    """The README's export commands, then scripts/val_trt.sh, literally and in order on one checkpoint: every
+    artefact has its own file, and val_trt.sh reuses the TensorRT graph step 6 wrote (same weights, same settings)
+    and exports again where the settings differ."""
     if shutil.which("trtexec"):
         pytest.skip("TensorRT is installed here: the script would build an engine")
-    weights, onnx_path = quantized
-    before = onnx_path.read_bytes()
-    cmd = ["bash", str(checkout / "scripts" / "val_trt.sh"), str(weights), str(demo_data320), str(SIZE), "--batch-size",
-           "4"]
-    r = subprocess.run(cmd, cwd=checkout, text=True, capture_output=True, timeout=900)
-    assert r.returncode != 0 and "--exist-ok" in r.stderr and onnx_path.read_bytes() == before  # not overwritten
-    r = subprocess.run([*cmd, "--exist-ok"], cwd=checkout, text=True, capture_output=True, timeout=900)
+    from conftest import CHECKOUT
+    w = tmp_path / "w.pt"
+    shutil.copy(quantized[0], w)
+    steps = [["export_qat.py", "--weights", w, "--include", "onnx", "--dynamic", "--simplify", "--verify", "--data",
+              demo_data320, "--imgsz", SIZE],
+             ["export_qat.py", "--weights", w, "--include", "onnx_end2end", "--dynamic", "--imgsz", SIZE],
+             ["export_yoloV9.py", "--weights", w, "--dynamic", "--simplify", "--size", SIZE]]
+    for step in steps:
+        r = run_cli(*step)
+        assert r.returncode == 0, (step, r.stderr[-2000:])
+    r = run_cli("utils/qdq_lint.py", tmp_path / "w.onnx", "--strict")
+    assert r.returncode == 0, r.stdout
+    made = sorted(p.name for p in tmp_path.iterdir() if p.suffix in (".onnx", ".txt"))
+    assert made == ["w-deepstream-labels.txt", "w-deepstream.onnx", "w-end2end.onnx", "w.onnx"]
+    before = (tmp_path / "w.onnx").stat().st_mtime_ns
+    cmd = ["bash", str(CHECKOUT / "scripts" / "val_trt.sh"), str(w), str(demo_data320), str(SIZE), "--batch-size", "4"]
+    r = subprocess.run(cmd, cwd=CHECKOUT, text=True, capture_output=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "reusing" in r.stderr and (tmp_path / "w.onnx").stat().st_mtime_ns == before
     assert "TensorRT (trtexec + Python package) is not available here" in r.stderr
-    assert "ONNX Runtime" in r.stdout + r.stderr and "ms/image (onnxruntime, batch 4)" in r.stdout + r.stderr
+    assert "ms/image (onnxruntime, batch 4)" in r.stdout + r.stderr
+    r = subprocess.run(cmd[:4] + ["256", "--batch-size", "4"], cwd=CHECKOUT, text=True, capture_output=True, timeout=900)
+    assert r.returncode == 0 and "with other settings; exporting again" in r.stderr  # another size: a new export

@@ -25,6 +25,28 @@ def float32_only_inputs(graph: onnx.GraphProto) -> set[str]:
             if node.op_type == op and len(node.input) > i and node.input[i]}
 
 
+FP16_MIN_NORMAL = float(np.finfo(np.float16).tiny)  # 6.1e-05: below it FP16 loses precision, then turns to 0
+
+
+def check_scales(graph: onnx.GraphProto) -> None:
+    """Refuse Q/DQ scales that FP16 cannot hold as normal numbers: a subnormal scale loses its precision and a
+    zero one makes QuantizeLinear divide by zero."""
+    from utils.onnx_utils import constant_values
+    values = constant_values(graph)
+    low = []
+    for node in graph.node:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear") and node.input[1] in values:
+            scale = np.asarray(values[node.input[1]], dtype=np.float64)
+            if (scale < FP16_MIN_NORMAL).any():
+                low.append((float(scale.min()), node.name or node.output[0]))
+    if low:
+        smallest, name = min(low)
+        raise ValueError(f"{len(low)} Q/DQ node(s) have scales below FP16's smallest normal number "
+                         f"{FP16_MIN_NORMAL:.3g} (smallest {smallest:.3g}, at {name}): in an FP16 graph they would "
+                         "turn subnormal or zero. Export with --dtype fp32 (TensorRT 10 weakly typed build), or check "
+                         "that quantizer's calibration (a range under 0.008)")
+
+
 def _fp16_tensor(t: TensorProto) -> TensorProto:
     arr = numpy_helper.to_array(t)
     if np.isfinite(arr).all() and np.abs(arr).max(initial=0) > 65504:
@@ -38,6 +60,7 @@ def to_fp16(model: onnx.ModelProto, io_dtype: str = "fp32") -> onnx.ModelProto:
         raise ValueError(f"--io-dtype must be fp32 or fp16, got {io_dtype!r}")
     if any(o.domain in ("", "ai.onnx") and o.version < FP16_OPSET for o in model.opset_import):
         raise ValueError(f"FP16 Q/DQ scales need opset >= {FP16_OPSET}: export the graph at that opset")
+    check_scales(model.graph)
     model = onnx.ModelProto.FromString(model.SerializeToString())
     graph = model.graph
     keep = float32_only_inputs(graph)
@@ -101,11 +124,15 @@ def float_types(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def fp32_compute_nodes(model: onnx.ModelProto) -> list[dict]:
-    """Nodes that compute in float32: a float32 output, other than the FP32 I/O casts and shape-only values."""
+    """Nodes that compute in float32: a float32 output, other than the FP32 I/O casts, shape-only values and the
+    post-processing that end-to-end graphs append after the network ("nms/..." nodes, FP32 by design)."""
+    from utils.onnx_nms import PREFIX as NMS_PREFIX
     types = float_types(model)
     out = []
     for node in model.graph.node:
         if node.op_type in ("Cast", "Constant", "Shape") and node.name.endswith(("_to_fp32", "_to_fp16")):
+            continue
+        if node.name.startswith(NMS_PREFIX):
             continue
         f32 = [o for o in node.output if types.get(o) == TensorProto.FLOAT]
         if f32 and node.op_type not in ("Constant", "Shape"):

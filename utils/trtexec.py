@@ -1,10 +1,14 @@
-"""trtexec: which flags a graph needs on the TensorRT found, command lines, and its performance summary.
+"""trtexec: the command line a graph needs on the TensorRT found, and its performance summary.
 
-    python -m utils.trtexec flags MODEL.onnx [--version 10.3] [--allow-fp32]   # prints the precision flags
+    python -m utils.trtexec flags MODEL.onnx [--version 10.3] [--allow-fp32]    # the precision flags
+    python -m utils.trtexec build MODEL.onnx [--min 1 --opt 8 --max 8] [--graph]  # build MODEL.engine
 
 TensorRT 11 builds every network strongly typed and has no --int8/--fp16/--best/--calib: the graph's own
 types decide (an FP16 Q/DQ graph from `export_qat.py --dtype fp16`). TensorRT 10.x builds that graph with
---stronglyTyped, or an FP32 Q/DQ graph weakly typed with --int8 --fp16 (JetPack 6 ships 10.3).
+--stronglyTyped, or an FP32 Q/DQ graph weakly typed with --int8 --fp16 (JetPack 6 ships 10.3). Shapes are passed
+for graphs with a dynamic batch only (trtexec refuses explicit shapes for a static model). On 11.x the flags it
+no longer honours are left out: --useCudaGraph, --useSpinWait and --noDataTransfers are no-ops there and
+--separateProfileRun is marked for removal.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 _BANNER = re.compile(r"TensorRT\.trtexec \[TensorRT v(\d+)\]")
@@ -71,19 +76,46 @@ def trtexec_version(trtexec: str) -> tuple[int, int, int]:
     return parse_version(r.stdout + r.stderr)
 
 
-def graph_kind(onnx_path: str | Path) -> tuple[str, bool]:
-    """(fp16 | fp32, quantized): the graph's float type (export --dtype) and whether it has Q/DQ nodes."""
+@dataclass(frozen=True)
+class Graph:
+    """What trtexec's command line depends on in an ONNX."""
+    path: Path                      # absolute: the command works from any folder
+    dtype: str                      # fp16 | fp32: the type of what is not INT8
+    quantized: bool
+    input_name: str
+    batch: int | None               # the static batch, None for a dynamic one
+    height: int
+    width: int
+
+    def shape(self, batch: int) -> str:
+        return f"{self.input_name}:{batch}x3x{self.height}x{self.width}"
+
+
+def read_graph(onnx_path: str | Path) -> Graph:
     import onnx
     from onnx import TensorProto
-    g = onnx.load(str(onnx_path), load_external_data=False).graph
+    path = Path(onnx_path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"{onnx_path}: file not found")
+    g = onnx.load(str(path), load_external_data=False).graph
     fp16 = any(t.data_type == TensorProto.FLOAT16 for t in g.initializer) or any(
         a.t.data_type == TensorProto.FLOAT16 for n in g.node if n.op_type == "Constant" for a in n.attribute) or any(
         a.i == TensorProto.FLOAT16 for n in g.node if n.op_type == "Cast" for a in n.attribute if a.name == "to")
-    return ("fp16" if fp16 else "fp32"), any(n.op_type == "QuantizeLinear" for n in g.node)
+    dims = g.input[0].type.tensor_type.shape.dim
+    batch = dims[0].dim_value if dims[0].dim_value > 0 and not dims[0].dim_param else None
+    return Graph(path, "fp16" if fp16 else "fp32", any(n.op_type == "QuantizeLinear" for n in g.node), g.input[0].name,
+                 batch, dims[2].dim_value, dims[3].dim_value)
+
+
+def graph_kind(onnx_path: str | Path) -> tuple[str, bool]:
+    """(fp16 | fp32, quantized): the graph's float type (export --dtype) and whether it has Q/DQ nodes."""
+    g = read_graph(onnx_path)
+    return g.dtype, g.quantized
 
 
 def precision_flags(version: tuple[int, ...], dtype: str, quantized: bool, allow_fp32: bool = False) -> list[str]:
-    """The trtexec precision flags that build a graph whose float type is `dtype` (Q/DQ or float) at its intended speed on `version`."""
+    """The trtexec precision flags that build a graph whose float type is `dtype` (Q/DQ or float) at its intended
+    speed on `version`."""
     shown = ".".join(map(str, version))
     if version[0] < 10:
         raise ValueError(f"TensorRT {shown} found; these graphs need TensorRT >= 10 (10.3 on JetPack 6)")
@@ -98,14 +130,53 @@ def precision_flags(version: tuple[int, ...], dtype: str, quantized: bool, allow
     return ["--int8", "--fp16"] if quantized else ["--fp16"]
 
 
-def benchmark_command(onnx: str | Path, imgsz: int, batch: int, flags: list[str], engine: str | Path,
+@dataclass(frozen=True)
+class BatchRange:
+    min: int = 1
+    opt: int = 1
+    max: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.min <= self.opt <= self.max:
+            raise ValueError(f"batch range must satisfy 1 <= --min <= --opt <= --max, got {self.min}/{self.opt}/"
+                             f"{self.max}")
+
+
+def shape_flags(graph: Graph, batches: BatchRange | None) -> list[str]:
+    """--min/--opt/--maxShapes for a dynamic batch; nothing for a static one (trtexec: "Static model does not take
+    explicit shapes"), where asking for another batch is refused."""
+    if graph.batch is not None:
+        if batches is not None and (batches.min, batches.opt, batches.max) != (graph.batch,) * 3:
+            raise ValueError(f"{graph.path.name} has a static batch of {graph.batch}; a batch range applies to a "
+                             "graph exported with --dynamic")
+        return []
+    b = batches or BatchRange()
+    return [f"--minShapes={graph.shape(b.min)}", f"--optShapes={graph.shape(b.opt)}", f"--maxShapes={graph.shape(b.max)}"]
+
+
+def build_command(trtexec: str, version: tuple[int, ...], graph: Graph, batches: BatchRange | None,
+                  allow_fp32: bool = False, profile: bool = False) -> list[str]:
+    """The trtexec invocation that builds `graph` into GRAPH.engine (and with `profile`, writes the layer and
+    profile JSON that utils.engine_graph reads)."""
+    base = graph.path.with_suffix("")
+    cmd = [trtexec, f"--onnx={graph.path}", *precision_flags(version, graph.dtype, graph.quantized, allow_fp32),
+           *shape_flags(graph, batches), f"--timingCacheFile={base}.timing.cache", f"--saveEngine={base}.engine"]
+    if profile:
+        cmd += ["--profilingVerbosity=detailed", f"--exportLayerInfo={base}.layer.json",
+                f"--exportProfile={base}.profile.json"]
+        if version[0] < 11:  # marked for removal in 11.x: profiling there runs apart from timing already
+            cmd.append("--separateProfileRun")
+    return cmd
+
+
+def benchmark_command(trtexec: str, version: tuple[int, ...], graph: Graph, batch: int, engine: str | Path,
                       warmup_ms: int = 500, duration_s: int = 10) -> list[str]:
-    """trtexec invocation for one (graph, batch) point of the sweep (timing without host transfers)."""
-    shape = f"images:{batch}x3x{imgsz}x{imgsz}"
-    return [trtexec_path(), f"--onnx={onnx}", *flags, f"--saveEngine={engine}",
-            f"--timingCacheFile={engine}.timing.cache", f"--warmUp={warmup_ms}", f"--duration={duration_s}",
-            "--useCudaGraph", "--useSpinWait", "--noDataTransfers", f"--minShapes=images:1x3x{imgsz}x{imgsz}",
-            f"--optShapes={shape}", f"--maxShapes={shape}"]
+    """trtexec invocation for one (graph, batch) point of a latency sweep, without host transfers."""
+    timing = ["--useCudaGraph", "--useSpinWait", "--noDataTransfers"] if version[0] < 11 else []  # no-ops on 11.x
+    shapes = shape_flags(graph, BatchRange(1, batch, batch) if graph.batch is None else None)
+    return [trtexec, f"--onnx={graph.path}", *precision_flags(version, graph.dtype, graph.quantized),
+            f"--saveEngine={engine}", f"--timingCacheFile={engine}.timing.cache", f"--warmUp={warmup_ms}",
+            f"--duration={duration_s}", *timing, *shapes]
 
 
 def comparison_table(rows: list[dict]) -> str:
@@ -124,6 +195,30 @@ def comparison_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def build(graph: Graph, batches: BatchRange | None, allow_fp32: bool, profile: bool) -> Path:
+    """Build GRAPH.engine with the flags of the TensorRT found (atomically: a failed build leaves no engine);
+    with `profile` also GRAPH.layer.json/.profile.json and the engine-graph report and SVG."""
+    trtexec = trtexec_path()
+    cmd = build_command(trtexec, trtexec_version(trtexec), graph, batches, allow_fp32, profile)
+    base = graph.path.with_suffix("")
+    engine = Path(f"{base}.engine")
+    tmp = Path(f"{base}.engine.tmp")
+    cmd = [a.replace(f"--saveEngine={engine}", f"--saveEngine={tmp}") for a in cmd]
+    print("trtexec: " + " ".join(cmd[1:]), flush=True)
+    with open(f"{base}.build.log", "w") as log:
+        r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if r.returncode or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"trtexec failed (exit {r.returncode}), see {base}.build.log")
+    tmp.replace(engine)
+    print(f"trtexec: {engine}")
+    if profile:
+        from utils import engine_graph
+        engine_graph.main([f"{base}.layer.json", "--profile", f"{base}.profile.json", "--svg", f"{base}.svg",
+                           "--json", f"{base}.graph-report.json"])
+    return engine
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m utils.trtexec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,16 +227,30 @@ def main(argv=None) -> int:
     f.add_argument("onnx")
     f.add_argument("--version", default=None, help="TensorRT version (default: read from trtexec's banner)")
     f.add_argument("--allow-fp32", action="store_true", help="accept an FP32 graph on TensorRT 11 (runs FP32)")
+    b = sub.add_parser("build", help="build MODEL.engine beside MODEL.onnx with trtexec")
+    b.add_argument("onnx")
+    b.add_argument("--min", type=int, default=None, help="smallest batch (dynamic graphs)")
+    b.add_argument("--opt", type=int, default=None, help="batch TensorRT tunes for (dynamic graphs)")
+    b.add_argument("--max", type=int, default=None, help="largest batch (dynamic graphs)")
+    b.add_argument("--allow-fp32", action="store_true", help="accept an FP32 graph on TensorRT 11 (runs FP32)")
+    b.add_argument("--graph", action="store_true", help="also the layer/profile JSON and the engine-graph report")
     opt = p.parse_args(argv)
     try:
-        if not Path(opt.onnx).is_file():
-            raise FileNotFoundError(f"{opt.onnx}: file not found")
-        version = tuple(int(v) for v in opt.version.split(".")) if opt.version else trtexec_version(trtexec_path())
-        flags = precision_flags(version, *graph_kind(opt.onnx), opt.allow_fp32)
+        graph = read_graph(opt.onnx)
+        if opt.cmd == "flags":
+            version = tuple(int(v) for v in opt.version.split(".")) if opt.version else trtexec_version(trtexec_path())
+            print(" ".join(precision_flags(version, graph.dtype, graph.quantized, opt.allow_fp32)))
+            return 0
+        given = [v for v in (opt.min, opt.opt, opt.max) if v is not None]
+        batches = None if not given else BatchRange(opt.min or 1, opt.opt or opt.max or opt.min or 1,
+                                                    opt.max or opt.opt or opt.min or 1)
+        build(graph, batches, opt.allow_fp32, opt.graph)
     except (OSError, ValueError, subprocess.SubprocessError) as e:
         print(f"trtexec: error: {e}", file=sys.stderr)
-        return 2
-    print(" ".join(flags))
+        return 3 if isinstance(e, FileNotFoundError) and "trtexec not found" in str(e) else 2
+    except RuntimeError as e:
+        print(f"trtexec: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
