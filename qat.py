@@ -4,6 +4,7 @@
     python qat.py quantize  --resume runs/qat/exp                                   # continue an interrupted run
     python qat.py eval      --weights runs/qat/exp/weights/qat_best_yolov9-c-converted.pt --data data/coco.yaml
     python qat.py sensitive --weights yolov9-c-converted.pt --data data/coco.yaml   # per-layer sensitivity
+    torchrun --nproc_per_node 2 qat.py quantize --device 0,1 --batch-size 32 ...   # several GPUs (DDP)
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def _calibration(p):
 
 
 def _qat_flags(q):
-    q.add_argument("--iters", type=int, default=200, help="QAT iterations per epoch")
+    q.add_argument("--iters", type=int, default=200, help="QAT iterations per epoch (0: one pass over the training images)")
     q.add_argument("--epochs", type=int, default=10, help="QAT epochs (0: PTQ only)")
     q.add_argument("--recipe", choices=sorted(RECIPES), default="default",
                    help="QAT preset: default (measured best, docs/RESULTS.md) or reference (per-layer MSE, Adam 1e-5); "

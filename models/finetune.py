@@ -189,12 +189,15 @@ class QATObjective:
     on labels. Segmentation heads distil their masks too (`mask_distill_loss`).
 
     Call with a batch (images 0-1, upstream targets, instance masks for segmentation); returns the total loss
-    and its parts (floats).
+    and its parts (floats). `forward` runs the student (a DistributedDataParallel wrapper of it, in a distributed
+    job); the layer taps and the loss read the student itself.
     Use as a context manager: the layer hooks are removed on exit.
     """
 
-    def __init__(self, recipe: QATRecipe, student: nn.Module, teacher: nn.Module, hyp: dict | None = None):
+    def __init__(self, recipe: QATRecipe, student: nn.Module, teacher: nn.Module, hyp: dict | None = None,
+                 forward: nn.Module | None = None):
         self.recipe, self.student, self.teacher = recipe, student, teacher
+        self.forward = forward or student  # DistributedDataParallel(student) in a distributed job
         head = student.model[-1]
         self.nc, self.reg_max = int(head.nc), int(getattr(head, "reg_max", 16))
         n = len(student.model)
@@ -219,7 +222,7 @@ class QATObjective:
         recipe = self.recipe
         with torch.no_grad():
             self.teacher(images)
-        preds = self.student(images)
+        preds = self.forward(images)
         parts, total = {}, images.new_zeros(())
         if recipe.distill == "layers":
             loss = sum(F.mse_loss(s.float(), t.float()) for i in self.layers
@@ -346,7 +349,7 @@ class FineTuner:
         self.objective.teacher.eval()
         sums: dict[str, float] = {}
         n = 0
-        pbar = tqdm(batches, total=self.iters, desc=desc, bar_format=TQDM_BAR_FORMAT)
+        pbar = tqdm(batches, total=self.iters, desc=desc, bar_format=TQDM_BAR_FORMAT, disable=not desc)
         for batch in pbar:
             parts = self.step(*batch[:3])
             lr = parts.pop("lr")

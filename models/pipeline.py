@@ -2,6 +2,10 @@
 epoch), resume, evaluation of a checkpoint and per-layer sensitivity. One frozen `RunConfig` says everything a
 run does; it is stored in the run's report.json, so `--resume` continues with exactly the same settings.
 
+Under torchrun the same run is spread over several processes (models/distributed.py): --batch-size is the global
+batch, calibration statistics are combined across ranks, the student trains under DistributedDataParallel, and
+rank 0 alone evaluates and writes. --iters 0 makes an epoch one pass over the training images.
+
 A run with `control=True` is the float control of a QAT run: the identical fine-tune (recipe, losses, teacher,
 iterations, learning-rate schedule, seed, data) with every quantizer disabled. QAT minus control is what
 quantization costs; QAT minus the float model is what the user gains.
@@ -9,6 +13,7 @@ quantization costs; QAT minus the float model is what the user gains.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -18,6 +23,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
+from models.distributed import World, data_parallel, init, rank_batches, shutdown_after, world_from_env
 from models.checkpoint import load_float_model, load_quantized_model, read_checkpoint, save_checkpoint
 from models.evaluate import NMSConfig, evaluate, metrics_table, val_loader
 from models.finetune import FineTuner, QATObjective, QATRecipe, learnable_amax_parameters
@@ -50,7 +56,7 @@ class RunConfig:
     quant: QuantRecipe = field(default_factory=QuantRecipe)
     qat: QATRecipe = field(default_factory=QATRecipe)
     epochs: int = 10
-    iters: int = 200
+    iters: int = 200                  # per epoch; 0: one pass over the training images
     control: bool = False             # the float control: the same fine-tune with every quantizer disabled
     nms: NMSConfig = field(default_factory=NMSConfig)
     eval_origin: bool = True
@@ -60,8 +66,8 @@ class RunConfig:
     def __post_init__(self):
         if self.epochs < 0 or self.iters < 0:
             raise ValueError("--epochs and --iters must be >= 0")
-        if self.control and not (self.epochs and self.iters):
-            raise ValueError("--float-control fine-tunes: it needs --epochs and --iters > 0")
+        if self.control and not self.epochs:
+            raise ValueError("--float-control fine-tunes: it needs --epochs > 0")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,7 +84,7 @@ class RunConfig:
 
     @property
     def finetunes(self) -> bool:
-        return self.epochs > 0 and self.iters > 0
+        return self.epochs > 0
 
 
 @dataclass
@@ -90,6 +96,7 @@ class Inputs:
     task: Task
     val: object
     hyp_dict: dict | None = None
+    world: World = field(default_factory=World)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -116,8 +123,16 @@ def check_skip(model: nn.Module, recipe: QuantRecipe, flag_values: list[str]) ->
 
 
 def load_inputs(cfg: RunConfig, skip_values: list[str] = ()) -> Inputs:
-    """Files, class counts, labels and layer patterns, all checked before anything is written."""
+    """Files, class counts, labels and layer patterns, all checked before anything is written; in a torchrun job,
+    the process group joined."""
+    world = world_from_env()
+    if cfg.batch_size % world.size:
+        raise ValueError(f"--batch-size {cfg.batch_size} is the global batch: it must divide by the {world.size} "
+                         "processes")
     device = select_device(cfg.device)
+    if world.distributed and device.type == "cuda":
+        device = torch.device("cuda", world.local_rank)
+    init(world, device)
     data_dict = load_data(cfg.data)
     hyp_dict = load_hyp(cfg.hyp)
     model = load_float_model(cfg.weights, device, cfg.trust_checkpoint)
@@ -127,14 +142,16 @@ def load_inputs(cfg: RunConfig, skip_values: list[str] = ()) -> Inputs:
     val = val_loader(task, data_dict, cfg.imgsz, cfg.batch_size * 2, cfg.workers, cfg.num_image, cfg.data)
     if cfg.finetunes:  # the training images must load too
         train_loader(task, data_dict, cfg, hyp_dict, augment=False)
-    return Inputs(device, data_dict, model, task, val, hyp_dict)
+    return Inputs(device, data_dict, model, task, val, hyp_dict, world)
 
 
-def train_loader(task: Task, data_dict: dict, cfg: RunConfig, hyp: dict, augment: bool):
-    """Shuffled training batches. A plain DataLoader (upstream's `close_mosaic` switch selects it; mosaic itself
-    follows `hyp`): each pass re-draws its order from `loader.generator`, which `seeded_batches` seeds."""
-    loader, _ = task.dataloader(data_dict["train"], cfg.imgsz, cfg.batch_size, 32, hyp=hyp, augment=augment,
-                                workers=cfg.workers, shuffle=True, close_mosaic=True, prefix=colorstr("train: "))
+def train_loader(task: Task, data_dict: dict, cfg: RunConfig, hyp: dict, augment: bool, world: World = World()):
+    """Shuffled training batches of this rank's size (the global batch over the ranks). A plain DataLoader
+    (upstream's `close_mosaic` switch selects it; mosaic itself follows `hyp`): each pass re-draws its order from
+    `loader.generator`, which `seeded_batches` seeds, the same on every rank."""
+    loader, _ = task.dataloader(data_dict["train"], cfg.imgsz, cfg.batch_size // world.size, 32, hyp=hyp,
+                                augment=augment, workers=cfg.workers, shuffle=True, close_mosaic=True,
+                                prefix=colorstr("train: "))
     return loader
 
 
@@ -156,7 +173,17 @@ class QuantizeRun:
         self.weights_dir = save_dir / "weights"
 
     def save_report(self) -> None:
-        write_json(self.save_dir / "report.json", self.report)
+        if self.inputs.world.main:
+            write_json(self.save_dir / "report.json", self.report)
+
+    def measure(self, model: nn.Module, desc: str) -> dict | None:
+        """Rank 0 evaluates (the loop of one process: the same numbers); the others get None."""
+        return measure(model, self.inputs, self.cfg.nms, desc) if self.inputs.world.main else None
+
+    def save(self, model: nn.Module, path: Path, **extra) -> Path:
+        if self.inputs.world.main:
+            save_checkpoint(model, path, **extra)
+        return path
 
     def run(self) -> dict:
         try:
@@ -175,26 +202,29 @@ class QuantizeRun:
     def ptq(self) -> nn.Module:
         cfg, inputs, report = self.cfg, self.inputs, self.report
         model = inputs.model
-        report["origin"] = measure(model, inputs, cfg.nms, "origin (float)") if cfg.eval_origin else None
+        report["origin"] = self.measure(model, "origin (float)") if cfg.eval_origin else None
         self.save_report()
         t0 = time.perf_counter()
         quantize_model(model, cfg.quant)
         report["quantizers"] = quantizer_counts(model)
         insert_s = time.perf_counter() - t0
         LOGGER.info(f"{PREFIX}inserted {report['quantizers']['distinct']} quantizers in {insert_s:.1f}s")
-        loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=False)
-        n = min(cfg.quant.calib_batches, len(loader))
+        world = inputs.world
+        loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=False, world=world)
+        n = min(cfg.quant.calib_batches * world.size, len(loader))  # the same images as one process draws
         seen: list[str] = []
         images = _images_noting_files(seeded_batches(loader, inputs.device, n, cfg.seed), seen)
-        times = calibrate(model, cfg.quant, tqdm(images, total=n, desc=f"{PREFIX}calibrating ({cfg.quant.calib_method})"))
+        times = calibrate(model, cfg.quant, tqdm(images, total=n, desc=f"{PREFIX}calibrating ({cfg.quant.calib_method})",
+                                                 disable=not world.main), world)
         report["timing"] = {"insert_quantizers_s": round(insert_s, 2), "calib_collect_s": round(times["collect_s"], 2),
                             "calib_amax_s": round(times["compute_amax_s"], 2)}
         report["calibration_images"] = [Path(f).name for f in seen]  # which images (a peer calibrates on the same)
-        report["ptq"] = measure(model, inputs, cfg.nms, "PTQ (int8 fake-quant)") if cfg.eval_ptq else None
+        report["ptq"] = self.measure(model, "PTQ (int8 fake-quant)") if cfg.eval_ptq else None
         ptq_file = self.weights_dir / f"ptq_ap_{_ap_tag(report['ptq'])}_{self.stem}.pt"
-        report["ptq_file"] = str(save_checkpoint(model, ptq_file, stage="ptq", metrics=report["ptq"]))
+        report["ptq_file"] = str(self.save(model, ptq_file, stage="ptq", metrics=report["ptq"]))
         report["qat"] = []
         self.save_report()
+        world.barrier()
         return model
 
     def finetune(self, model: nn.Module, teacher: nn.Module) -> None:
@@ -211,9 +241,12 @@ class QuantizeRun:
         if cfg.qat.learn_amax:
             learnable_amax_parameters(model)
         stage = "control" if cfg.control else "qat"
-        loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=True)
-        with QATObjective(cfg.qat, model, teacher, inputs.hyp_dict) as objective:
-            tuner = FineTuner(objective, cfg.epochs, cfg.iters, amp=inputs.device.type == "cuda")
+        world = inputs.world
+        loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=True, world=world)
+        iters = cfg.iters or math.ceil(len(loader.dataset) / cfg.batch_size)  # 0: one pass over the images
+        forward = data_parallel(model, world, inputs.device)
+        with QATObjective(cfg.qat, model, teacher, inputs.hyp_dict, forward) as objective:
+            tuner = FineTuner(objective, cfg.epochs, iters, amp=inputs.device.type == "cuda")
             start = 0
             if state is not None:
                 tuner.load_state(state, inputs.device)
@@ -223,10 +256,13 @@ class QuantizeRun:
             report["qat_best"] = max(report["qat"], key=inputs.task.score, default=None)
             for epoch in range(start, cfg.epochs):
                 t0 = time.perf_counter()
-                batches = seeded_batches(loader, inputs.device, cfg.iters, seed=cfg.seed + 1 + epoch)
-                losses = tuner.epoch(batches, f"{PREFIX}{stage} epoch {epoch + 1}/{cfg.epochs}")
-                self.end_epoch(epoch + 1, tuner, losses, time.perf_counter() - t0)
-                save_checkpoint(model, state_file, epoch=epoch + 1, **tuner.state())
+                batches = seeded_batches(loader, inputs.device, iters * world.size, seed=cfg.seed + 1 + epoch)
+                desc = f"{PREFIX}{stage} epoch {epoch + 1}/{cfg.epochs}" if world.main else ""  # one progress bar
+                losses = tuner.epoch(rank_batches(batches, world), desc)
+                if world.main:
+                    self.end_epoch(epoch + 1, tuner, losses, time.perf_counter() - t0)
+                    save_checkpoint(model, state_file, epoch=epoch + 1, **tuner.state())
+                world.barrier()
 
     def end_epoch(self, epoch: int, tuner: FineTuner, losses: dict, train_s: float) -> None:
         report, trained = self.report, tuner.trained
@@ -247,6 +283,8 @@ class QuantizeRun:
 
     def finish(self) -> dict:
         report, task = self.report, self.inputs.task
+        if not self.inputs.world.main:
+            return report
         best = report.get("qat_best")
         label = "FP fine-tune best (control)" if self.cfg.control else "QAT best (PyTorch INT8)"
         rows = [("Origin (PyTorch)", report.get("origin")), ("PTQ (PyTorch INT8)", report.get("ptq")),
@@ -263,9 +301,11 @@ class QuantizeRun:
 def quantize(cfg: RunConfig, out: OutputDir, skip_values: list[str] = ()) -> dict:
     """`qat.py quantize`: a new run."""
     inputs = load_inputs(cfg, skip_values)
-    save_dir = out.create()
-    report = {"config": cfg.to_dict(), "task": inputs.task.name, "save_dir": str(save_dir)}
-    return QuantizeRun(cfg, save_dir, report, inputs).run()
+    save_dir = inputs.world.broadcast(out.create() if inputs.world.main else None)  # one folder for all ranks
+    report = {"config": cfg.to_dict(), "task": inputs.task.name, "world_size": inputs.world.size,
+              "save_dir": str(save_dir)}
+    with shutdown_after(inputs.world):
+        return QuantizeRun(cfg, save_dir, report, inputs).run()
 
 
 def resume(save_dir: str | Path, **keep) -> dict:
@@ -280,18 +320,31 @@ def resume(save_dir: str | Path, **keep) -> dict:
         raise ValueError(f"--resume {save_dir}: its report.json was written by an older version (no config)")
     if report.get("finished"):
         raise ValueError(f"--resume {save_dir}: this run finished all its epochs; nothing to resume")
+    started, now = report.get("world_size", 1), world_from_env().size
+    if started != now:
+        raise ValueError(f"--resume {save_dir}: the run was started on {started} process(es), this job has {now}: "
+                         f"resume it with torchrun --nproc_per_node {started} (or without torchrun for 1)")
     cfg = replace(RunConfig.from_dict(report["config"]), **{k: v for k, v in keep.items() if v is not None})
-    for leftover in save_dir.rglob(".*.tmp"):  # half-written files of the interrupted run
-        leftover.unlink()
+    inputs = load_inputs(cfg)
+    if inputs.world.main:
+        for leftover in save_dir.rglob(".*.tmp"):  # half-written files of the interrupted run
+            leftover.unlink()
     LOGGER.info(f"{PREFIX}resuming {save_dir} after {len(report.get('qat', []))} completed epoch(s)")
-    return QuantizeRun(cfg, save_dir, report, load_inputs(cfg)).run()
+    with shutdown_after(inputs.world):
+        return QuantizeRun(cfg, save_dir, report, inputs).run()
 
 
 # --------------------------------------------------------------------------------------------------
 # eval and sensitive
 # --------------------------------------------------------------------------------------------------
+def single_process(command: str) -> None:
+    if world_from_env().distributed:
+        raise ValueError(f"qat.py {command} runs in one process: start it without torchrun")
+
+
 def evaluate_checkpoint(cfg: RunConfig, out: OutputDir) -> dict:
     """`qat.py eval`: the metrics of a quantized checkpoint on the validation images."""
+    single_process("eval")
     device = select_device(cfg.device)
     data_dict = load_data(cfg.data)
     model = load_quantized_model(cfg.weights, device, cfg.trust_checkpoint)
@@ -312,6 +365,7 @@ def evaluate_checkpoint(cfg: RunConfig, out: OutputDir) -> dict:
 
 def sensitivity(cfg: RunConfig, out: OutputDir) -> dict:
     """`qat.py sensitive`: PTQ with every quantizer, then the mAP with one layer's quantizers off at a time."""
+    single_process("sensitive")
     if is_quantized(read_checkpoint(cfg.weights, cfg.trust_checkpoint)["model"]):
         raise ValueError(f"--weights {cfg.weights}: sensitivity analysis starts from the float (converted) model, "
                          "not a quantized one")

@@ -31,6 +31,7 @@ from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 from pytorch_quantization.tensor_quant import QuantDescriptor
 
 from models.calibrate import AMAX_METHODS, HistogramCollector
+from models.distributed import World, combine_statistics, sharded
 from models.common import AConv, ADown, Concat, RepNBottleneck
 
 CALIB_METHODS = ("max",) + AMAX_METHODS
@@ -442,10 +443,12 @@ def calibrate_weights(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, recipe: QuantRecipe, batches: Iterable[torch.Tensor]) -> dict[str, float]:
+def calibrate(model: nn.Module, recipe: QuantRecipe, batches: Iterable[torch.Tensor], world: World = World()
+              ) -> dict[str, float]:
     """PTQ: collect activation statistics over `batches` (already on the model's device, float, 0-1 scaled; the
-    caller draws `recipe.calib_batches` of them), then set every amax by `recipe.calib_method`. Returns timings
-    in seconds."""
+    caller draws `recipe.calib_batches` of them), then set every amax by `recipe.calib_method`. In a distributed
+    job every rank passes the same batches, collects on its share and gets the combined statistics
+    (models/distributed.py). Returns timings in seconds."""
     method = recipe.calib_method
     acts = [q for _, q in named_quantizers(model, activations_only=True) if not q._disabled]
     for q in acts:
@@ -462,10 +465,12 @@ def calibrate(model: nn.Module, recipe: QuantRecipe, batches: Iterable[torch.Ten
     model.eval()
     t0 = time.perf_counter()
     try:
-        for im in batches:
+        calibrators = [q._calibrator for q in acts]
+        for im in sharded(batches, calibrators, world):
             model(im)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        combine_statistics(calibrators, world)
         t1 = time.perf_counter()
         for q in acts:
             amax = q._calibrator.compute_amax() if method == "max" else \
