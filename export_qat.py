@@ -120,8 +120,8 @@ def parse_opt(argv=None):
     p.add_argument("--batch-size", type=int, default=1, help="static batch size (with --dynamic: set at engine build)")
     p.add_argument("--dynamic", action="store_true", help="dynamic batch axis")
     p.add_argument("--simplify", dest="simplify_", action="store_true", help="simplify with onnxslim (Q/DQ kept)")
-    p.add_argument("--inplace", action="store_true", help="set the detection head's inplace flag (as upstream export.py)")
-    p.add_argument("--opset", type=int, default=17, help="ONNX opset (>= 13 for per-channel Q/DQ; 19 with --dtype fp16)")
+    p.add_argument("--inplace", action="store_true", help="the heads' inplace flag (as upstream export.py)")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset (>= 13; 19 with --dtype fp16)")
     p.add_argument("--dtype", choices=DTYPES, default="fp16",
                    help="type of everything that is not INT8: fp16 for strongly typed builds (TensorRT 11, or 10.x "
                         "--stronglyTyped); fp32 for TensorRT 10 weakly typed builds (--int8 --fp16)")

@@ -61,7 +61,7 @@ def _calibration(p):
 
 
 def _qat_flags(q):
-    q.add_argument("--iters", type=int, default=200, help="QAT iterations per epoch (0: one pass over the training images)")
+    q.add_argument("--iters", type=int, default=200, help="QAT iterations per epoch (0: one pass over the images)")
     q.add_argument("--epochs", type=int, default=10, help="QAT epochs (0: PTQ only)")
     q.add_argument("--recipe", choices=sorted(RECIPES), default="default",
                    help="QAT preset: default (measured best, docs/RESULTS.md) or reference (per-layer MSE, Adam 1e-5); "

@@ -70,7 +70,8 @@ def validate(cfg: ValConfig) -> dict:
               "imgsz": cfg.imgsz, "batch_size": cfg.batch_size, **metrics, **(coco or {}),
               **({"nms_in_graph": built_with} if built_with else {})}
     result["table"] = metrics_table([(LABELS[cfg.backend], metrics)])
-    LOGGER.info("\n" + result["table"] + f"\n{metrics['ms_per_image']} ms/image ({cfg.backend}, batch {cfg.batch_size})")
+    LOGGER.info("\n" + result["table"] + f"\n{metrics['ms_per_image']} ms/image ({cfg.backend}, "
+                f"batch {cfg.batch_size})")
     return result
 
 

@@ -9,7 +9,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import onnx
 import torch
 import torch.nn as nn

@@ -214,8 +214,8 @@ class QuantizeRun:
         n = min(cfg.quant.calib_batches * world.size, len(loader))  # the same images as one process draws
         seen: list[str] = []
         images = _images_noting_files(seeded_batches(loader, inputs.device, n, cfg.seed), seen)
-        times = calibrate(model, cfg.quant, tqdm(images, total=n, desc=f"{PREFIX}calibrating ({cfg.quant.calib_method})",
-                                                 disable=not world.main), world)
+        progress = tqdm(images, total=n, desc=f"{PREFIX}calibrating ({cfg.quant.calib_method})", disable=not world.main)
+        times = calibrate(model, cfg.quant, progress, world)
         report["timing"] = {"insert_quantizers_s": round(insert_s, 2), "calib_collect_s": round(times["collect_s"], 2),
                             "calib_amax_s": round(times["compute_amax_s"], 2)}
         report["calibration_images"] = [Path(f).name for f in seen]  # which images (a peer calibrates on the same)

@@ -503,7 +503,8 @@ def copy_float(model: nn.Module) -> nn.Module:
 
 
 __all__ = [
-    "QuantRecipe", "Int8Quantizer", "fake_quant", "fake_quant_with", "fake_quant_learnable", "learnable_amax_parameters",
+    "QuantRecipe", "Int8Quantizer", "fake_quant", "fake_quant_with", "fake_quant_learnable",
+    "learnable_amax_parameters",
     "freeze_amax", "quant_params", "quantize_model", "is_quantized",
     "named_quantizers", "quantizer_counts", "layer_quantizers", "quantization_disabled", "calibrate",
     "calibrate_weights", "copy_float",

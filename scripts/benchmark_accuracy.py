@@ -245,7 +245,8 @@ class ModelBench:
             if not q.is_file():  # its own copy of the input: Model Optimizer writes intermediate files beside it
                 q.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(fp_onnx, q.with_name("float.onnx"))
-                run_step([sys.executable, "-m", "modelopt.onnx.quantization", "--onnx_path", str(q.with_name("float.onnx")),
+                run_step([sys.executable, "-m", "modelopt.onnx.quantization",
+                          "--onnx_path", str(q.with_name("float.onnx")),
                           "--quantize_mode", "int8", "--calibration_method", m, "--calibration_data_path", str(calib),
                           "--calibration_eps", "cpu", "--high_precision_dtype", "fp32", "--nodes_to_exclude", DFL_NODES,
                           "--output_path", str(q)], q.with_suffix(".log"))
@@ -425,7 +426,8 @@ def training_table(out: Path) -> str:
         t = json.loads(f.read_text())
         start = t["started"]
         rows.append(f"| {f.parts[-4]} | {t['model']} | {t['epochs_run']} of {t['max_epochs']} | {t['best_epoch']} | "
-                    f"{t['best_select_map']:.4f} | {'yes' if t['converged'] else 'no'} ({t['epochs_since_best']} epochs "
+                    f"{t['best_select_map']:.4f} | {'yes' if t['converged'] else 'no'} "
+                    f"({t['epochs_since_best']} epochs "
                     f"since the best, patience {t['patience']}) | {start['machine']['gpu']} | "
                     f"[curve](../{f.parent.relative_to(out.parent)}/curve.png) |")
     if not rows:

@@ -37,7 +37,8 @@ def run(int8_onnx: Path, fp16_onnx: Path | None, batches: list[int], out: Path, 
             log = subprocess.run(cmd, text=True, capture_output=True)
             (out / f"{engine.stem}.log").write_text(log.stdout + log.stderr)
             if log.returncode != 0:
-                raise RuntimeError(f"trtexec failed for {engine_kind} batch {batch}; see {out / (engine.stem + '.log')}")
+                log_file = out / (engine.stem + ".log")
+                raise RuntimeError(f"trtexec failed for {engine_kind} batch {batch}; see {log_file}")
             rows.append({"engine": engine_kind, "batch": batch, "onnx": str(onnx), **parse_summary(log.stdout)})
     table = comparison_table(rows)
     result = {"imgsz": graphs["int8"].height, "tensorrt": ".".join(map(str, version)), "rows": rows, "table": table}

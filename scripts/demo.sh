@@ -7,7 +7,7 @@
 # (60 epochs at 320 px on an H100; the generator writes the same images on every machine, see
 # make_demo_dataset.py). TRAIN=1 trains a gelan-t here first (upstream's progress shown) and quantizes that one.
 # Knobs (environment): WORKDIR (./yolov9), DEVICE (cpu / 0), TRAIN (0), EPOCHS (10), QAT_EPOCHS (2),
-#   QAT_ITERS (30), WORKERS (2)
+#   QAT_ITERS (30), WORKERS (2), RECORD (0; 1: also write results/demo/demo.json, which README's table renders)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORKDIR="$(mkdir -p "${WORKDIR:-$HERE/yolov9}" && cd "${WORKDIR:-$HERE/yolov9}" && pwd)"
@@ -60,10 +60,10 @@ python3 val_trt.py --onnx-file "${QAT%.pt}.onnx" --data "$DATA" --imgsz "$IMGSZ"
   --project "$WORKDIR/runs/demo" --name ort --exist-ok
 
 step "results"
-python3 - "$SOURCE" "$DATA" "$WORKDIR/runs/demo" "$(( $(date +%s) - start ))" <<'PY'
-import json, sys
+RECORD="${RECORD:-0}" python3 - "$SOURCE" "$DATA" "$WORKDIR/runs/demo" "$(( $(date +%s) - start ))" "$HERE" <<'PY'
+import datetime, json, os, sys
 from pathlib import Path
-model, data, runs, seconds = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+model, data, runs, seconds, repo = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
 report = json.loads((runs / "qat/report.json").read_text())
 export = json.loads((runs / "export.json").read_text())
 ort = json.loads((runs / "ort/val_trt.json").read_text())
@@ -79,4 +79,17 @@ print(f"\nquantizers: {q['distinct']} ({q['weight']} weight, {q['activation']} a
       f"detections matched {p['detections_matched']:.0%}, lint problems {export['lint']['problems']}")
 print(f"\nQAT model: {report['qat_best_file']}\nONNX:      {export['onnx']}\nreport:    {runs / 'qat/report.json'}")
 print(f"demo: {seconds // 60} min {seconds % 60} s")
+if os.environ["RECORD"] == "1":
+    sys.path.insert(0, str(repo))
+    from utils.io_utils import write_json
+    from utils.provenance import machine, toolkit_commit
+    m = machine()
+    where = f"{m['gpu'] or 'CPU'} ({m['cpu']}, {m['cpu_count']} cores)"
+    path = write_json(repo / "results" / "demo" / "demo.json", {
+        "table": "\n".join(rows), "where": where, "date": datetime.date.today().isoformat(),
+        "commit": toolkit_commit(repo), "minutes": round(seconds / 60, 1), "machine": m, "report": report,
+        "export_parity": p, "onnxruntime": {k: ort[k] for k in ("ap", "ap50", "precision", "recall")},
+        "data": "the generated demo set, 100 val images at 320 px; 10 calibration batches and 2 x 30 QAT iterations "
+                "of 16 images"})
+    print(f"demo: recorded {path}")
 PY

@@ -144,18 +144,14 @@ def parse_opt(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    opt = parse_opt(argv)
-    try:
-        split_yaml = write_split(opt.data, opt.split_dir, opt.fraction, opt.split_seed)
-    except (OSError, ValueError) as e:
-        print(f"train_float: error: {e}", file=sys.stderr)
-        return 2
+def train(opt) -> dict:
+    """Train (or resume, or with opt.collect only collect) and write OUT; the train.json entry."""
+    split_yaml = write_split(opt.data, opt.split_dir, opt.fraction, opt.split_seed)
     run_dir = Path(opt.project) / opt.name
     done = Path(opt.out) / "train.json"
     if not opt.collect and done.is_file() and json.loads(done.read_text())["finished"]:
         print(f"train_float: {done} says this training finished; nothing to do (--collect rewrites it)")
-        return 0
+        return json.loads(done.read_text())
     if not opt.collect:
         last = run_dir / "weights" / "last.pt"
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -163,11 +159,20 @@ def main(argv=None) -> int:
         args = ["--resume", str(last)] if last.is_file() else train_args(opt, split_yaml)
         r = subprocess.run([sys.executable, opt.train_script, *args])
         if r.returncode:
-            print(f"train_float: error: {opt.train_script} exited with {r.returncode}", file=sys.stderr)
-            return r.returncode
-    entry = collect(run_dir, Path(opt.out), opt.weights_out)
-    print(f"train_float: {opt.name}: {entry['epochs_run']} epochs, best {entry['best_select_map']:.4f} at epoch "
-          f"{entry['best_epoch']}, {'converged' if entry['converged'] else 'NOT converged'} (patience {opt.patience})")
+            raise ValueError(f"{opt.train_script} exited with {r.returncode}")
+    return collect(run_dir, Path(opt.out), opt.weights_out)
+
+
+def main(argv=None) -> int:
+    opt = parse_opt(argv)
+    try:
+        entry = train(opt)
+    except (OSError, ValueError) as e:
+        print(f"train_float: error: {e}", file=sys.stderr)
+        return 2
+    print(f"train_float: {entry['model']}: {entry['epochs_run']} epochs, best {entry['best_select_map']:.4f} at epoch "
+          f"{entry['best_epoch']}, {'converged' if entry['converged'] else 'NOT converged'} "
+          f"(patience {entry['patience']})")
     return 0
 
 

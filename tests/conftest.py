@@ -40,24 +40,51 @@ def checkout() -> Path:
     return CHECKOUT_READY
 
 
+def _demo(name: str, *args) -> Path:
+    """A generated dataset under the cache (scripts/make_demo_dataset.py), made once."""
+    out = CACHE / name
+    if not (out / "data.yaml").is_file():
+        _run([sys.executable, str(REPO / "scripts" / "make_demo_dataset.py"), "--out", str(out), *map(str, args),
+              "--exist-ok"])
+    return out / "data.yaml"
+
+
 @pytest.fixture(scope="session")
 def demo_data() -> Path:
     """12-class generated dataset, 24 train / 12 val images at 160 px."""
-    out = CACHE / "demo160"
-    if not (out / "data.yaml").is_file():
-        _run([sys.executable, str(REPO / "scripts" / "make_demo_dataset.py"), "--out", str(out), "--train", "24",
-              "--val", "12", "--imgsz", str(IMGSZ), "--seed", "3", "--exist-ok"])
-    return out / "data.yaml"
+    return _demo("demo160", "--train", 24, "--val", 12, "--imgsz", IMGSZ, "--seed", 3)
 
 
 @pytest.fixture(scope="session")
 def demo_data320() -> Path:
     """The demo dataset's distribution at 320 px (what assets/gelan-t-demo.pt was trained on), new images."""
-    out = CACHE / "demo320"
-    if not (out / "data.yaml").is_file():
-        _run([sys.executable, str(REPO / "scripts" / "make_demo_dataset.py"), "--out", str(out), "--train", "16",
-              "--val", "100", "--imgsz", "320", "--seed", "5", "--exist-ok"])
-    return out / "data.yaml"
+    return _demo("demo320", "--train", 16, "--val", 100, "--imgsz", 320, "--seed", 5)
+
+
+@pytest.fixture(scope="session")
+def seg_data() -> Path:
+    """Outline polygons (what assets/gelan-t-seg-demo.pt was trained on), new images: 8 train / 100 val at 320 px."""
+    return _demo("demoseg320", "--train", 8, "--val", 100, "--imgsz", 320, "--seed", 5, "--segments")
+
+
+def end2end_vs_plain(weights: Path, plain: Path, data: Path, size: int, tmp_path: Path, *export_args) -> dict:
+    """val_trt.py's results for the plain graph and for the end-to-end graph of a copy of `weights` exported at the
+    evaluation's thresholds (0.001 / 0.7 / 300): {"plain": ..., "e2e": ...}."""
+    import json
+    import shutil
+    e2e = tmp_path / "e2e.pt"
+    shutil.copy(weights, e2e)
+    r = run_cli("export_qat.py", "--weights", e2e, "--imgsz", size, "--dynamic", "--include", "onnx_end2end",
+                "--conf-thres", 0.001, "--iou-thres", 0.7, "--topk-all", 300, *export_args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = {}
+    for name, onnx_file in (("plain", plain), ("e2e", e2e.with_name("e2e-end2end.onnx"))):
+        r = run_cli("val_trt.py", "--onnx-file", onnx_file, "--data", data, "--imgsz", size, "--batch-size", 4,
+                    "--workers", 0, "--project", tmp_path, "--name", name)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[name] = json.loads((tmp_path / name / "val_trt.json").read_text())
+    print(out)
+    return out
 
 
 def find_shared() -> Path | None:

@@ -175,8 +175,8 @@ def test_engine_script_static_graph_relative_path_and_profile_flags(quantized_we
     args = (bin_dir / "args").read_text().split()
     assert f"--onnx={tmp_path / 'static.onnx'}" in args and not [a for a in args if "Shapes=" in a]
     assert (tmp_path / "static.engine").is_file()
-    r = subprocess.run(["bash", str(REPO / "scripts/generate_trt_engine.sh"), "../static.onnx", str(IMGSZ), "--batch", "4"],
-                       capture_output=True, text=True, env=env, cwd=elsewhere)
+    r = subprocess.run(["bash", str(REPO / "scripts/generate_trt_engine.sh"), "../static.onnx", str(IMGSZ), "--batch",
+                        "4"], capture_output=True, text=True, env=env, cwd=elsewhere)
     assert r.returncode == 2 and "static batch of 2" in r.stderr
     from utils.trtexec import benchmark_command, build_command, read_graph
     graph = read_graph(res["onnx"])
@@ -247,7 +247,8 @@ def test_engine_graph_reads_tensorrt_11_layer_json(tmp_path):
     layers = {"I/O Tensors": [{"Name": "images", "IOMode": "Input", "DataType": "Float"},
                               {"Name": "out", "IOMode": "Output", "DataType": "Half"}],
               "Layers": [
-                  {"Name": "q_in", "LayerType": "Reformat", "Origin": "QDQ", "Inputs": [t("images", "kLINEAR", "Float")],
+                  {"Name": "q_in", "LayerType": "Reformat", "Origin": "QDQ",
+                   "Inputs": [t("images", "kLINEAR", "Float")],
                    "Outputs": [t("a", "kCHW32", "Int8")]},
                   {"Name": "conv1", "LayerType": "CaskConvolution", "Inputs": [t("a", "kCHW32", "Int8")],
                    "Outputs": [t("b", "kCHW32", "Int8")]},

@@ -12,8 +12,8 @@ from conftest import CHECKOUT, build_model
 
 from models.checkpoint import read_checkpoint, save_checkpoint
 from models.finetune import RECIPES, FineTuner, QATObjective, QATRecipe, WeightEMA, head_distill_loss, lr_at
-from models.quantize import (QuantRecipe, calibrate, copy_float, fake_quant, learnable_amax_parameters, named_quantizers,
-                             quantize_model)
+from models.quantize import (QuantRecipe, calibrate, copy_float, fake_quant, learnable_amax_parameters,
+                             named_quantizers, quantize_model)
 from utils.onnx_utils import model_to_onnx, unshared_joins
 
 NC, REG_MAX = 3, 16
@@ -91,7 +91,8 @@ def test_objective_with_detection_loss_trains_the_quantized_model(ptq_pair):
     with QATObjective(recipe, model, teacher, _hyp()) as objective:
         tuner = FineTuner(objective, epochs=1, iters=3, amp=False)
         losses = tuner.epoch(iter([(im, _targets(), None) for im in _images(3)]), "")
-    assert tuner.step_count == 3 and {"distill", "det", "loss"} <= set(losses) and all(math.isfinite(v) for v in losses.values())
+    assert tuner.step_count == 3 and {"distill", "det", "loss"} <= set(losses)
+    assert all(math.isfinite(v) for v in losses.values())
     changed = sum(not torch.equal(before[n], p) for n, p in model.named_parameters())
     assert changed > 0.9 * len(before)
     assert not model.model[-1]._forward_hooks  # the objective's taps are gone
@@ -102,7 +103,7 @@ def test_lr_zero_changes_nothing(ptq_pair):
     recipe = RECIPES["reference"].with_overrides(lr=0.0)
     before = copy.deepcopy(model.state_dict())
     with QATObjective(recipe, model, teacher) as objective:
-        FineTuner(objective, epochs=1, iters=2, amp=False).epoch(iter([(im, _targets(), None) for im in _images(2)]), "")
+        FineTuner(objective, epochs=1, iters=2, amp=False).epoch(((im, _targets(), None) for im in _images(2)), "")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -118,7 +119,7 @@ def test_learned_amax_gets_gradients_and_exports_one_scale_per_shared_group(ptq_
     recipe = RECIPES["default"].with_overrides(learn_amax=True, lr=1e-2)
     before = [float(p) for p in params]
     with QATObjective(recipe, model, teacher, _hyp()) as objective:
-        FineTuner(objective, epochs=1, iters=2, amp=False).epoch(iter([(im, _targets(), None) for im in _images(2)]), "")
+        FineTuner(objective, epochs=1, iters=2, amp=False).epoch(((im, _targets(), None) for im in _images(2)), "")
     moved = sum(float(p) != b for p, b in zip(params, before))
     assert moved > 0.9 * len(params)
     assert unshared_joins(model_to_onnx(model, 64).graph) == []  # shared quantizers stayed one object

@@ -6,27 +6,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import CACHE, REPO, SHARED, run_cli, save_float_checkpoint
+from conftest import REPO, SHARED, end2end_vs_plain, run_cli, save_float_checkpoint
 
 TRAINED_SEG = REPO / "assets" / "gelan-t-seg-demo.pt"
 SIZE = 320  # the size it was trained at
 COMMON = ["--imgsz", SIZE, "--batch-size", 4, "--device", "cpu", "--workers", 0]
-
-
-@pytest.fixture(scope="module")
-def seg_data() -> Path:
-    """The training data's distribution (outline polygons), new images: 8 train / 100 val at 320 px."""
-    out = CACHE / "demoseg320"
-    if not (out / "data.yaml").is_file():
-        subprocess.run([sys.executable, str(REPO / "scripts" / "make_demo_dataset.py"), "--out", str(out), "--train",
-                        "8", "--val", "100", "--imgsz", str(SIZE), "--seed", "5", "--segments", "--exist-ok"],
-                       check=True, capture_output=True)
-    return out / "data.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +52,9 @@ def test_segmentation_head_is_quantized_under_the_sharing_rules(seg_run):
 
 def test_eval_reproduces_the_report(seg_run, seg_data, tmp_path):
     save_dir, _ = seg_run
-    r = run_cli("qat.py", "eval", "--weights", save_dir / "weights" / "qat_best_gelan-t-seg-demo.pt", "--data", seg_data,
-                *COMMON[:2], "--batch-size", 8, *COMMON[4:], "--project", tmp_path, "--name", "e")
+    best = save_dir / "weights" / "qat_best_gelan-t-seg-demo.pt"
+    r = run_cli("qat.py", "eval", "--weights", best, "--data", seg_data, *COMMON[:2], "--batch-size", 8, *COMMON[4:],
+                "--project", tmp_path, "--name", "e")
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "e" / "eval.json").read_text())
     best = json.loads((save_dir / "report.json").read_text())["qat_best"]
@@ -81,7 +69,8 @@ def test_eval_reproduces_the_report(seg_run, seg_data, tmp_path):
 def seg_onnx(seg_run, seg_data):
     weights = seg_run[0] / "weights" / "qat_best_gelan-t-seg-demo.pt"
     r = run_cli("export_qat.py", "--weights", weights, "--imgsz", SIZE, "--dynamic", "--simplify", "--dtype", "fp32",
-                "--verify", "--data", seg_data, "--batch-size", 2, "--verify-batches", 25, "--conf-thres", 0.1, "--json", weights.with_suffix(".json"))
+                "--verify", "--data", seg_data, "--batch-size", 2, "--verify-batches", 25, "--conf-thres", 0.1,
+                "--json", weights.with_suffix(".json"))
     assert r.returncode == 0, r.stderr[-3000:]
     return weights, weights.with_suffix(".onnx"), json.loads(weights.with_suffix(".json").read_text())
 
@@ -158,18 +147,7 @@ def test_end_to_end_graph_gathers_the_kept_masks(seg_onnx, seg_data, tmp_path):
     coefficients, the graph assembles the masks (coefficients x prototypes, cropped to the box, > 0.5), and its box
     and mask mAP in ONNX Runtime equal the plain graph's (exported at the evaluation's thresholds)."""
     weights, plain, _ = seg_onnx
-    e2e = tmp_path / "seg.pt"
-    shutil.copy(weights, e2e)
-    r = run_cli("export_qat.py", "--weights", e2e, "--imgsz", SIZE, "--dynamic", "--dtype", "fp32", "--include",
-                "onnx_end2end", "--conf-thres", 0.001, "--iou-thres", 0.7, "--topk-all", 300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = {}
-    for name, onnx_file in (("plain", plain), ("e2e", e2e.with_name("seg-end2end.onnx"))):
-        r = run_cli("val_trt.py", "--onnx-file", onnx_file, "--data", seg_data, "--imgsz", SIZE, "--batch-size", 4,
-                    "--workers", 0, "--project", tmp_path, "--name", name)
-        assert r.returncode == 0, r.stderr[-2000:]
-        out[name] = json.loads((tmp_path / name / "val_trt.json").read_text())
-    print(out)
+    out = end2end_vs_plain(weights, plain, seg_data, SIZE, tmp_path, "--dtype", "fp32")
     assert out["e2e"]["task"] == "segment" and out["plain"]["mask_ap50"] > 0.1
     for k in ("ap", "ap50", "mask_ap", "mask_ap50"):
         assert out["e2e"][k] == pytest.approx(out["plain"][k], abs=0.005), k

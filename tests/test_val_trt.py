@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SHARED, TRAINED_T, run_cli
+from conftest import REPO, SHARED, TRAINED_T, end2end_vs_plain, run_cli
 
 from models.checkpoint import load_float_model, save_checkpoint
 from models.quantize import QuantRecipe, calibrate, quantize_model
@@ -67,7 +67,8 @@ def test_detections_match_box_for_box(quantized, demo_data320, tmp_path):
     from models.export import load_for_export, verify_parity
     weights = tmp_path / "fp32.pt"
     shutil.copy(quantized[0], weights)
-    assert run_cli("export_qat.py", "--weights", weights, "--dynamic", "--imgsz", SIZE, "--dtype", "fp32").returncode == 0
+    r = run_cli("export_qat.py", "--weights", weights, "--dynamic", "--imgsz", SIZE, "--dtype", "fp32")
+    assert r.returncode == 0, r.stderr[-2000:]
     images = export_qat.verification_images(str(demo_data320), SIZE, 4, 25)
     parity = verify_parity(load_for_export(weights), weights.with_suffix(".onnx"), images)
     print(parity)
@@ -195,22 +196,12 @@ def test_end_to_end_graph_scores_like_the_plain_graph(quantized, demo_data320, t
     the same loop as the plain graph: the same mAP (NonMaxSuppression and upstream's NMS keep the same boxes, up to
     ties), and the thresholds it was built with reported; other thresholds than the loop's are warned about."""
     weights, plain = quantized
-    e2e = tmp_path / "e2e.pt"
-    shutil.copy(weights, e2e)
-    r = run_cli("export_qat.py", "--weights", e2e, "--include", "onnx_end2end", "--dynamic", "--imgsz", SIZE,
-                "--conf-thres", 0.001, "--iou-thres", 0.7, "--topk-all", 300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = {}
-    for name, onnx_file in (("plain", plain), ("e2e", e2e.with_name("e2e-end2end.onnx"))):
-        r = run_cli("val_trt.py", "--onnx-file", onnx_file, "--data", demo_data320, "--imgsz", SIZE, "--batch-size", 4,
-                    "--workers", 0, "--project", tmp_path, "--name", name)
-        assert r.returncode == 0, r.stderr[-2000:]
-        out[name] = json.loads((tmp_path / name / "val_trt.json").read_text())
-    print(out)
+    out = end2end_vs_plain(weights, plain, demo_data320, SIZE, tmp_path)
     assert out["plain"]["ap50"] > 0.1
     assert out["e2e"]["nms_in_graph"] == {"conf_thres": 0.001, "iou_thres": 0.7, "max_det": 300.0}
     for k in ("ap", "ap50"):
         assert out["e2e"][k] == pytest.approx(out["plain"][k], abs=0.005), k
+    e2e = tmp_path / "e2e.pt"
     r = run_cli("export_qat.py", "--weights", e2e, "--include", "onnx_end2end", "--dynamic", "--imgsz", SIZE,
                 "--exist-ok")  # the deployment defaults: 0.25 / 0.45 / 100
     r = run_cli("val_trt.py", "--onnx-file", e2e.with_name("e2e-end2end.onnx"), "--data", demo_data320, "--imgsz", SIZE,
@@ -245,5 +236,6 @@ def test_readme_steps_6_and_7_in_order(quantized, demo_data320, tmp_path):
     assert "reusing" in r.stderr and (tmp_path / "w.onnx").stat().st_mtime_ns == before
     assert "TensorRT (trtexec + Python package) is not available here" in r.stderr
     assert "ms/image (onnxruntime, batch 4)" in r.stdout + r.stderr
-    r = subprocess.run(cmd[:4] + ["256", "--batch-size", "4"], cwd=CHECKOUT, text=True, capture_output=True, timeout=900)
+    r = subprocess.run(cmd[:4] + ["256", "--batch-size", "4"], cwd=CHECKOUT, text=True, capture_output=True,
+                       timeout=900)
     assert r.returncode == 0 and "with other settings; exporting again" in r.stderr  # another size: a new export

@@ -56,5 +56,5 @@ def seeded_batches(loader, device: torch.device, n: int, seed: int) -> Iterator[
     if generator is not None:  # shuffling and the workers' seeds
         generator.manual_seed(seed)
     for batch in cycle(loader, n):
-        yield Batch(batch[0].to(device, non_blocking=True).float() / 255, batch[1], batch[4] if len(batch) > 4 else None,
-                    tuple(batch[2]))
+        masks = batch[4] if len(batch) > 4 else None
+        yield Batch(batch[0].to(device, non_blocking=True).float() / 255, batch[1], masks, tuple(batch[2]))

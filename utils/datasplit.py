@@ -46,7 +46,9 @@ def read_data_yaml(data: str | Path) -> dict:
     root = (root if root.is_absolute() else data.parent / root).resolve()
     for key in ("train", "val", "test"):
         if d.get(key):
-            d[key] = [str(_absolute(root, p)) for p in d[key]] if isinstance(d[key], list) else str(_absolute(root, d[key]))
+            entries = d[key] if isinstance(d[key], list) else [d[key]]
+            absolute = [str(_absolute(root, p)) for p in entries]
+            d[key] = absolute if isinstance(d[key], list) else absolute[0]
     d["path"] = str(root)
     return d
 

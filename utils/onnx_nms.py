@@ -128,7 +128,8 @@ def _onnx_nms(proto: onnx.ModelProto, nc: int, shapes: dict[str, tuple[int, ...]
     det_boxes = g.op("Mul", [take(boxes, 4), g.op("Unsqueeze", [validf, g.const("last2", np.array([2], np.int64))])])
     num = g.op("ReduceSum", [g.op("Cast", [valid], to=TensorProto.INT32), g.const("axis1", np.array([1], np.int64))],
                keepdims=1)
-    classes = g.op("Where", [valid, g.op("Cast", [cls], to=TensorProto.INT32), g.const("minus1", np.array(-1, np.int32))])
+    classes = g.op("Where", [valid, g.op("Cast", [cls], to=TensorProto.INT32),
+                             g.const("minus1", np.array(-1, np.int32))])
     results = {"num_dets": num, "det_boxes": det_boxes, "det_scores": top_scores, "det_classes": classes}
     out_shapes = {"num_dets": [batch, 1], "det_boxes": [batch, k, 4], "det_scores": [batch, k],
                   "det_classes": [batch, k]}

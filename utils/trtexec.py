@@ -151,7 +151,8 @@ def shape_flags(graph: Graph, batches: BatchRange | None) -> list[str]:
                              "graph exported with --dynamic")
         return []
     b = batches or BatchRange()
-    return [f"--minShapes={graph.shape(b.min)}", f"--optShapes={graph.shape(b.opt)}", f"--maxShapes={graph.shape(b.max)}"]
+    return [f"--minShapes={graph.shape(b.min)}", f"--optShapes={graph.shape(b.opt)}",
+            f"--maxShapes={graph.shape(b.max)}"]
 
 
 def build_command(trtexec: str, version: tuple[int, ...], graph: Graph, batches: BatchRange | None,

@@ -1,0 +1,101 @@
+"""The README workflow on both kinds of checkout, offline: the PyPI rebuild that get_yolov9.sh makes here, and the
+genuine upstream repository (from shared/reference when it is there). Upstream's own scripts must keep working
+after patch_yolov9.sh (train with and without --weights, train_dual, val, detect, segment/train), then this
+toolkit's steps 3 to 7 run on what upstream trained."""
+from __future__ import annotations
+
+import filecmp
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from conftest import CHECKOUT, REPO, SHARED
+
+GENUINE = (SHARED / "reference" / "yolov9-upstream-5b1ea9a.tar.gz") if SHARED else None
+IMG = 64
+
+
+@pytest.fixture(scope="module")
+def genuine(tmp_path_factory) -> Path:
+    if GENUINE is None or not GENUINE.is_file():
+        pytest.skip(f"the genuine upstream repository was not found (shared/reference; set YOLOV9_QAT_SHARED): "
+                    f"looked for {GENUINE}")
+    root = tmp_path_factory.mktemp("genuine")
+    with tarfile.open(GENUINE) as tar:
+        tar.extractall(root, filter="data")
+    checkout = root / "yolov9"
+    r = subprocess.run(["bash", str(REPO / "patch_yolov9.sh"), str(checkout)], text=True, capture_output=True)
+    assert r.returncode == 0, r.stderr
+    assert "11 upstream file(s) carry the compatibility edits" in r.stdout
+    return checkout
+
+
+def run(checkout: Path, *args, env=None, timeout=900):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    env["PYTHONPATH"] = str(checkout)  # this checkout's modules, not the session's
+    return subprocess.run([sys.executable, *map(str, args)], cwd=checkout, text=True, capture_output=True, env=env,
+                          timeout=timeout)
+
+
+def ok(r) -> None:
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout[-1500:] + r.stderr[-3000:]
+
+
+def test_patch_is_idempotent_and_undoes_on_the_genuine_repository(genuine, tmp_path):
+    copy = tmp_path / "y"
+    shutil.copytree(genuine, copy)
+    r = subprocess.run(["bash", str(REPO / "patch_yolov9.sh"), str(copy)], text=True, capture_output=True)
+    assert r.returncode == 0 and "0 file(s) copied" in r.stdout
+    assert filecmp.cmp(copy / "utils" / "general.py", genuine / "utils" / "general.py", shallow=False)  # not twice
+    assert "weights_only=False" in (copy / "train.py").read_text()
+    r = run(copy, copy / "utils" / "upstream_compat.py", copy, "--undo")
+    ok(r)
+    assert "restored 11 upstream file(s)" in r.stdout
+    with tarfile.open(GENUINE) as tar:
+        original = tar.extractfile("yolov9/train.py").read().decode()
+    assert (copy / "train.py").read_text() == original and not list(copy.rglob("*.yolov9_qat.orig"))
+
+
+@pytest.mark.parametrize("kind", ["pypi", "genuine"])
+def test_readme_workflow_offline(kind, request, demo_data, seg_data, tmp_path):
+    checkout = CHECKOUT if kind == "pypi" else request.getfixturevalue("genuine")
+    offline = {"YOLOV5_CONFIG_DIR": str(tmp_path / "cfg")}  # no font there: it must be downloaded, and cannot be
+    common = ["--img", IMG, "--batch", 8, "--epochs", 1, "--device", "cpu", "--workers", 0, "--project",
+              tmp_path / "runs"]
+    train = ["--data", demo_data, "--hyp", "data/hyps/hyp.scratch-high.yaml", *common]
+    # 1. upstream, as a user trains: from scratch, from weights, the dual-branch model, segmentation; val, detect
+    ok(run(checkout, "train.py", *train, "--cfg", "models/detect/gelan-t.yaml", "--weights", "", "--name", "t0",
+           env=offline))
+    best = tmp_path / "runs" / "t0" / "weights" / "best.pt"
+    ok(run(checkout, "train.py", *train, "--cfg", "models/detect/gelan-t.yaml", "--weights", best, "--name", "t1",
+           env=offline))
+    ok(run(checkout, "train_dual.py", *train, "--cfg", "models/detect/yolov9-t.yaml", "--weights", "", "--name", "d0",
+           env=offline))
+    ok(run(checkout, "val.py", "--data", demo_data, "--weights", best, "--img", IMG, "--device", "cpu", "--project",
+           tmp_path / "val", env=offline))
+    ok(run(checkout, "detect.py", "--weights", best, "--source", demo_data.parent / "images" / "val", "--img", IMG,
+           "--device", "cpu", "--project", tmp_path / "detect", env=offline))
+    ok(run(checkout, "segment/train.py", "--data", seg_data, "--hyp", "data/hyps/hyp.scratch-high.yaml", *common,
+           "--cfg", REPO / "assets" / "gelan-t-seg.yaml", "--weights", "", "--name", "s0", env=offline))
+    # 3-7. this toolkit on what upstream trained
+    q = ["--data", demo_data, "--imgsz", IMG, "--device", "cpu", "--workers", 0]
+    ok(run(checkout, "qat.py", "quantize", "--weights", best, *q, "--batch-size", 4, "--epochs", 1, "--iters", 1,
+           "--calib-batches", 1, "--project", tmp_path / "qat", "--name", "q", env=offline))
+    w = tmp_path / "qat" / "q" / "weights" / "qat_best_best.pt"
+    ok(run(checkout, "qat.py", "eval", "--weights", w, *q, "--project", tmp_path / "ev", env=offline))
+    ok(run(checkout, "export_qat.py", "--weights", w, "--include", "onnx", "--dynamic", "--simplify", "--verify",
+           "--data", demo_data, "--imgsz", IMG, env=offline))
+    ok(run(checkout, "export_qat.py", "--weights", w, "--include", "onnx_end2end", "--dynamic", "--imgsz", IMG,
+           env=offline))
+    ok(run(checkout, "export_yoloV9.py", "--weights", w, "--dynamic", "--simplify", "--size", IMG, env=offline))
+    ok(run(checkout, "-m", "utils.qdq_lint", w.with_suffix(".onnx"), "--strict"))
+    if shutil.which("trtexec") is None:
+        r = subprocess.run(["bash", str(checkout / "scripts" / "val_trt.sh"), str(w), str(demo_data), str(IMG),
+                            "--batch-size", "4"], cwd=checkout, text=True, capture_output=True, timeout=900,
+                           env={**os.environ, **offline, "PYTHONPATH": str(checkout)})
+        ok(r)
+        assert "reusing" in r.stderr and "ms/image (onnxruntime, batch 4)" in r.stdout + r.stderr
