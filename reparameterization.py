@@ -207,7 +207,7 @@ def convert(train: nn.Module, gelan: nn.Module) -> tuple[nn.Module, dict]:
     return gelan, summary
 
 
-def run(cfg, weights, model, device, classes_num, save, exist_ok=False, trust_checkpoint=False, **_) -> dict:
+def run(cfg, weights, model, device, classes_num, save, exist_ok=False, trust_checkpoint=False) -> dict:
     save = Path(save)
     if save.exists() and not exist_ok:
         raise FileExistsError(f"--save {save} exists; pass --exist-ok to overwrite it")

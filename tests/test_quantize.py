@@ -98,13 +98,12 @@ def test_without_sharing_the_lint_finds_joins():
 
 @pytest.mark.parametrize("method", CALIB_METHODS)
 def test_calibration_methods(method, gelan_t):
-    times = calibrate(gelan_t, QuantRecipe(calib_method=method, percentile=99.9), _images(2))
+    calibrate(gelan_t, QuantRecipe(calib_method=method, percentile=99.9), _images(2))
     acts = [q for _, q in named_quantizers(gelan_t, activations_only=True)]
     amax = torch.stack([q.amax.float() for q in acts])
     assert torch.isfinite(amax).all() and (amax > 0).all()
     weights = [q for _, q in named_quantizers(gelan_t) if q.axis is not None]
     assert all(q.amax.numel() > 1 for q in weights)
-    assert times["collect_s"] >= 0 and times["compute_amax_s"] >= 0
     gelan_t.__dict__.setdefault("_amax_by_method", {})[method] = amax
 
 
