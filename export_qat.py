@@ -62,6 +62,7 @@ def build(flags: dict) -> tuple[ExportConfig, dict]:
     nms = NMSSettings(flags.pop("conf_thres"), flags.pop("iou_thres"), flags.pop("topk_all"), flags.pop("nms"))
     end2end = nms if flags.pop("include") == "onnx_end2end" else None
     options = {k: flags.pop(k) for k in ("verify", "data", "verify_batches", "exist_ok", "reuse", "json")}
+    options["nms"] = nms  # verification counts detections at these thresholds, end-to-end graph or not
     return ExportConfig(spec=spec, end2end=end2end, **flags), options
 
 
@@ -98,7 +99,7 @@ def verify(model, plain, cfg: ExportConfig, opt: dict) -> dict:
 
     import onnx
     images = verification_images(opt["data"], cfg.spec.imgsz[0], max(cfg.spec.batch_size, 1), opt["verify_batches"])
-    nms = cfg.end2end or NMSSettings()
+    nms = opt["nms"]
     with tempfile.TemporaryDirectory() as d:
         onnx.save(plain, f"{d}/plain.onnx")
         p = verify_parity(model, f"{d}/plain.onnx", images, nms.conf_thres, nms.iou_thres)

@@ -95,12 +95,14 @@ def parse_opt(argv=None):
     p.add_argument("--io-dtype", choices=DTYPES, default="fp32", help="type of the input and the output")
     p.add_argument("--trust-checkpoint", action="store_true", help="unpickle --weights fully (can run code)")
     opt = p.parse_args(argv)
-    if opt.dynamic and opt.batch > 1:
-        p.error("--dynamic and --batch > 1 cannot be used together: pick a dynamic or a static batch")
-    if len(opt.size) > 2 or any(s < 32 or s % 32 for s in opt.size):
-        p.error(f"--size takes one or two multiples of 32, got {opt.size}")
-    if opt.opset < 13:
-        p.error(f"--opset must be >= 13, got {opt.opset}")
+    problems = [message for wrong, message in (
+        (opt.dynamic and opt.batch > 1, "--dynamic and --batch > 1 cannot be used together: pick a dynamic or a "
+                                        "static batch"),
+        (len(opt.size) > 2 or any(s < 32 or s % 32 for s in opt.size),
+         f"--size takes one or two multiples of 32, got {opt.size}"),
+        (opt.opset < 13, f"--opset must be >= 13, got {opt.opset}")) if wrong]
+    if problems:
+        p.error(problems[0])
     return opt
 
 

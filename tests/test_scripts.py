@@ -172,9 +172,14 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights
     assert not [line for line in again.stdout.splitlines() if line.startswith("+ ")]  # no step ran again
     r = run_cli("scripts/benchmark_accuracy.py", "--render", "--check", "--out", out)
     assert r.returncode == 0, r.stdout + r.stderr
-    (out / "accuracy.md").write_text("edited by hand\n")
+    table = out / "accuracy.md"
+    rendered = table.read_text()
+    table.write_text(rendered.replace("<!-- results:accuracy -->\n", "<!-- results:accuracy -->\nedited by hand\n"))
     r = run_cli("scripts/benchmark_accuracy.py", "--render", "--check", "--out", out)
-    assert r.returncode == 1 and "edited by hand" in r.stdout
+    assert r.returncode == 1 and "-edited by hand" in r.stdout
+    table.write_text("no block\n")  # a file whose markers went: one line naming it, nothing rewritten
+    r = run_cli("scripts/benchmark_accuracy.py", "--render", "--out", out)
+    assert r.returncode != 0 and str(table) in r.stderr and table.read_text() == "no block\n"
 
 
 def test_published_results_are_what_their_json_renders_to():

@@ -4,6 +4,7 @@ qat.py, exported with its prototypes, and evaluated (box and mask mAP) in PyTorc
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 
@@ -69,7 +70,7 @@ def test_eval_reproduces_the_report(seg_run, seg_data, tmp_path):
 def seg_onnx(seg_run, seg_data):
     weights = seg_run[0] / "weights" / "qat_best_gelan-t-seg-demo.pt"
     r = run_cli("export_qat.py", "--weights", weights, "--imgsz", SIZE, "--dynamic", "--simplify", "--dtype", "fp32",
-                "--verify", "--data", seg_data, "--batch-size", 2, "--verify-batches", 25, "--conf-thres", 0.1,
+                "--verify", "--data", seg_data, "--batch-size", 2, "--verify-batches", 25, "--conf-thres", 0.05,
                 "--json", weights.with_suffix(".json"))
     assert r.returncode == 0, r.stderr[-3000:]
     return weights, weights.with_suffix(".onnx"), json.loads(weights.with_suffix(".json").read_text())
@@ -173,4 +174,8 @@ def test_real_photographs_with_polygons_run_end_to_end(checkout, tmp_path):
                 "--num-image", 16, "--project", tmp_path, "--name", "coco")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "coco" / "report.json").read_text())
-    assert report["finished"] and "mask_ap" in report["qat_best"] and report["qat"][0]["distill_mask"] > 0
+    # an untrained student equals its teacher up to the INT8 step, so the distillation terms round to 0 in the report;
+    # upstream's segmentation loss (boxes, classes, masks) is what must have run
+    step = report["qat"][0]
+    assert report["finished"] and "mask_ap" in report["qat_best"] and {"distill", "distill_mask"} <= set(step)
+    assert step["det"] > 0 and math.isfinite(step["distill_mask"])

@@ -62,8 +62,9 @@ def blocks_in(text: str) -> list[str]:
 
 def render_files(files: dict[Path, dict[str, str]], check: bool) -> list[str]:
     """Write each file's blocks ({path: {block name: content}}), or with `check` only compare. Returns the unified
-    diffs of the files that differ (empty: all up to date)."""
-    diffs = []
+    diffs of the files that differ (empty: all up to date). Every file is rendered before any is written, so a
+    missing block leaves all of them as they were."""
+    changed, diffs = {}, []
     for path, blocks in files.items():
         old = path.read_text() if path.is_file() else ""
         new = old
@@ -73,11 +74,13 @@ def render_files(files: dict[Path, dict[str, str]], check: bool) -> list[str]:
             except ValueError as e:
                 raise ValueError(f"{path}: {e}") from None
         if new != old:
+            changed[path] = new
             diffs.append("".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), str(path),
                                                       f"{path} (rendered)")))
-            if not check:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(new)
+    if not check:
+        for path, new in changed.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(new)
     return diffs
 
 
