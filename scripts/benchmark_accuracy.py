@@ -411,7 +411,7 @@ def model_table(e: dict) -> str:
         lines.append("- Deployed graphs - PyTorch: " + ", ".join(f"{d} {fmt_difference(v)}"
                                                                   for d, v in s["ort_vs_pytorch"].items()))
     if "modelopt" in s:
-        ours = "QAT" if "qat_vs_modelopt" in s else "best PTQ"
+        ours = "QAT" if "qat_vs_modelopt" in s else "Best PTQ"
         lint = e["modelopt"][e["modelopt_choice"]][str(e["provenance"]["seeds"][0])]["lint"]
         lines.append(f"- {ours} - Model Optimizer ({e['modelopt_choice']}): "
                      f"{fmt_difference(s.get('qat_vs_modelopt') or s['ptq_vs_modelopt'])}; unshared-scale joins: "
