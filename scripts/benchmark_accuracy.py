@@ -457,7 +457,9 @@ def demo_table(out: Path) -> str:
         return "No demo run recorded yet."
     d = json.loads(f.read_text())
     return (f"{d['table']}\n\n({d['where']}, {d['date']}, commit {d['commit'][:10]}: {d['minutes']:.1f} min in all; "
-            f"{d['data']}. A single run: on another CPU the same commands move these figures by up to about 0.01.)")
+            f"{d['data']}. A single run, and its QAT epoch is picked on these same images: it shows the workflow runs, "
+            f"not an accuracy claim (the table below is that); on another CPU these figures move by up to about "
+            f"0.01.)")
 
 
 def ablation_table(out: Path) -> str:
