@@ -427,7 +427,7 @@ def training_table(out: Path) -> str:
         start = t["started"]
         rows.append(f"| {f.parts[-4]} | {t['model']} | {t['epochs_run']} of {t['max_epochs']} | {t['best_epoch']} | "
                     f"{t['best_select_map']:.4f} | {'yes' if t['converged'] else 'no'} "
-                    f"({t['epochs_since_best']} epochs "
+                    f"({t['epochs_since_best']} epoch{'' if t['epochs_since_best'] == 1 else 's'} "
                     f"since the best, patience {t['patience']}) | {start['machine']['gpu']} | "
                     f"[curve](../{f.parent.relative_to(out.parent)}/curve.png) |")
     if not rows:

@@ -120,14 +120,18 @@ def test_bad_input_is_one_clear_error(case, gelan_t_weights, demo_data, dual_wei
 TINY = [*COMMON, "--epochs", 2, "--iters", 2, "--calib-batches", 1, "--num-image", 4, "--no-eval-origin"]
 
 
-def _popen(*args, cwd=None):
+def _popen(*args):
     import os
+    import signal
     import subprocess
     import sys
     from conftest import CHECKOUT
+    # Ctrl-C as in a terminal: a suite started in the background (`cmd &`, nohup) inherits SIGINT ignored, and
+    # Python then never raises KeyboardInterrupt
     return subprocess.Popen([sys.executable, str(CHECKOUT / "qat.py"), *map(str, args)], cwd=CHECKOUT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for(pattern_dir, glob, proc, timeout=600):
