@@ -139,3 +139,33 @@ def run_cli(script: str, *args, cwd: Path | None = None, timeout: int = 900) -> 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, str(CHECKOUT / script), *map(str, args)], cwd=cwd or CHECKOUT,
                           text=True, capture_output=True, env=env, timeout=timeout)
+
+
+def call_cli(script: str, *args) -> subprocess.CompletedProcess:
+    """A top-level script's main(argv) in this process: the exit code and what it printed, as run_cli gives them,
+    without starting a Python that imports torch again (~4 s each). For the paths that refuse bad input before
+    any work; an exception that escapes main() fails the calling test, as a traceback would."""
+    import contextlib
+    import importlib.util
+    import io
+    import logging
+    name = f"cli_{Path(script).stem}"
+    module = sys.modules.get(name)
+    if module is None:  # registered before it runs: its dataclasses look their module up
+        spec = importlib.util.spec_from_file_location(name, CHECKOUT / script)
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    out, err = io.StringIO(), io.StringIO()
+    # upstream's LOGGER holds the stderr of when it was made, which pytest's capture had replaced
+    handlers = [h for h in logging.getLogger("yolov5").handlers if isinstance(h, logging.StreamHandler)]
+    streams = [h.setStream(err) for h in handlers]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = module.main([str(a) for a in args])
+            except SystemExit as e:  # argparse's errors
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        for h, stream in zip(handlers, streams):
+            h.setStream(stream)
+    return subprocess.CompletedProcess([script, *map(str, args)], code, out.getvalue(), err.getvalue())

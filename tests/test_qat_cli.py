@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import IMGSZ, TRAINED_T, build_model, run_cli, save_float_checkpoint
+from conftest import IMGSZ, TRAINED_T, build_model, call_cli, run_cli, save_float_checkpoint
 
 COMMON = ["--imgsz", IMGSZ, "--batch-size", 4, "--device", "cpu", "--workers", 0]
 
@@ -107,7 +107,7 @@ def test_bad_input_is_one_clear_error(case, gelan_t_weights, demo_data, dual_wei
         "bad_imgsz": (["quantize", "--weights", gelan_t_weights, "--data", demo_data, "--imgsz", 100], "--imgsz"),
         "not_a_checkpoint": (["quantize", "--weights", junk, *base], "junk.pt"),
     }[case]
-    r = run_cli("qat.py", *args)
+    r = call_cli("qat.py", *args)
     assert r.returncode != 0
     assert expect in r.stderr + r.stdout
     assert "Traceback" not in r.stderr
@@ -255,8 +255,8 @@ def test_meaningless_inputs_are_refused_before_a_run_folder_exists(case, gelan_t
     else:
         (tmp_path / "file").write_text("x")
         project, expect = tmp_path / "file" / "runs", "file"
-    r = run_cli("qat.py", "quantize", "--weights", weights, "--data", data, *COMMON, "--calib-batches", 1,
-                "--epochs", 0, "--project", project, "--name", "x", *extra)
+    r = call_cli("qat.py", "quantize", "--weights", weights, "--data", data, *COMMON, "--calib-batches", 1,
+                 "--epochs", 0, "--project", project, "--name", "x", *extra)
     assert r.returncode == 2, r.stderr[-2000:]
     errors = [line for line in r.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and expect in errors[0], r.stderr[-2000:]

