@@ -204,9 +204,11 @@ class ModelBench:
 
         def one(job):
             v, s = job
+            same_as_qat = v == "default" and not b.qat_args  # the QAT stage's own command: its run, not a rerun
+            d = self.work / (f"qat-seed{s}" if same_as_qat else f"ablation-{v}-seed{s}")
             r = quantize_run([*b.common(self.weights, self.split), *CALIBRATIONS[method], "--seed", str(s), "--epochs",
                               str(b.qat_epochs), "--iters", str(b.iters), "--no-eval-origin", "--no-eval-ptq",
-                              *ABLATION[v][1]], self.work / f"ablation-{v}-seed{s}")
+                              *ABLATION[v][1]], d)
             return r["qat_best"]["ap"]
         with self.pool() as pool:
             runs = dict(zip(jobs, pool.map(one, jobs)))
@@ -221,14 +223,17 @@ class ModelBench:
 
     def deployed(self, qat: dict) -> dict:
         """The QAT best-on-select checkpoint of every seed as the FP32 and the FP16 graph, in ONNX Runtime on val."""
-        b, out = self.bench, {}
-        for dtype in ("fp32", "fp16"):
-            graphs = {s: export(Path(r["best_file"]), dtype, b.imgsz) for s, r in qat.items()}
-            with self.pool() as pool:
-                vals = pool.map(lambda s: measure(graphs[s], self.report_yaml, self.work / f"ort-{dtype}-seed{s}", b),
-                                graphs)
-                out[dtype] = {s: {"val": v, "lint": lint_summary(graphs[s])} for s, v in zip(graphs, vals)}
-        return out
+        b, dtypes = self.bench, ("fp32", "fp16")
+        jobs = [(dtype, s) for dtype in dtypes for s in qat]
+
+        def one(job):
+            dtype, s = job
+            graph = export(Path(qat[s]["best_file"]), dtype, b.imgsz)
+            return {"val": measure(graph, self.report_yaml, self.work / f"ort-{dtype}-seed{s}", b),
+                    "lint": lint_summary(graph)}
+        with self.pool() as pool:
+            runs = dict(zip(jobs, pool.map(one, jobs)))
+        return {dtype: {s: runs[(dtype, s)] for s in qat} for dtype in dtypes}
 
     def modelopt(self, ptq_choice: dict) -> dict:
         """Model Optimizer's ONNX INT8 PTQ of the float model, each method x seed, calibrated on the very images our

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import REPO, SHARED, end2end_vs_plain, run_cli, save_float_checkpoint
+from conftest import REPO, SHARED, call_cli, end2end_vs_plain, run_cli, save_float_checkpoint
 
 TRAINED_SEG = REPO / "assets" / "gelan-t-seg-demo.pt"
 SIZE = 320  # the size it was trained at
@@ -134,8 +134,8 @@ def test_val_trt_detects_segmentation_and_refuses_what_it_cannot_do(seg_onnx, se
                             "--batch-size", "4"], cwd=checkout, text=True, capture_output=True, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "Mask AP" in r.stdout + r.stderr and "(onnxruntime, batch 4)" in r.stdout + r.stderr
-    r = run_cli("val_trt.py", "--onnx-file", onnx_path, "--data", seg_data, "--imgsz", SIZE, "--no-nms",
-                "--project", tmp_path)
+    r = call_cli("val_trt.py", "--onnx-file", onnx_path, "--data", seg_data, "--imgsz", SIZE, "--no-nms",
+                 "--project", tmp_path)
     assert r.returncode == 2 and "--no-nms" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("export_qat.py", "--weights", weights, "--imgsz", SIZE, "--include", "onnx_end2end", "--nms",
                 "efficient")

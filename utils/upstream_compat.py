@@ -3,7 +3,7 @@
     python utils/upstream_compat.py /path/to/yolov9          # patch_yolov9.sh runs this
     python utils/upstream_compat.py /path/to/yolov9 --undo   # restore upstream's files as they were
 
-The genuine repository (commit 5b1ea9a) breaks in three places on this stack; each edit below is the smallest
+The genuine repository (commit 5b1ea9a) breaks in four places on this stack; each edit below is the smallest
 change that fixes one, applied only where upstream's text is found (the PyPI rebuild already carries its own fixes,
 so nothing is edited there), and never twice:
 - `torch.load(...)` without `weights_only`: PyTorch 2.6 changed the default to True, and upstream's checkpoints
@@ -13,6 +13,8 @@ so nothing is edited there), and never twice:
 - `check_font` downloads Arial.ttf on first use and stops train.py/val.py when offline: a failed download now
   warns and plots use PIL's default font.
 - Pillow 10 removed `FreeTypeFont.getsize`, used to size plot labels: `getbbox` gives the same width and height.
+- NumPy deprecated `np.trapz` in 2.0 and later releases drop it, so every mAP (val.py, and evaluation in this
+  toolkit, which reuses upstream's `ap_per_class`) fails there: `np.trapezoid` where it exists.
 Each edited file is first copied to FILE.yolov9_qat.orig; `--undo` puts those copies back (in a git clone,
 `git checkout -- FILE` does the same).
 """
@@ -54,6 +56,10 @@ TEXT_EDITS = (
              "                _, _, w, h = self.font.getbbox(label)", "Pillow >= 10: getbbox, not the removed getsize"),
     TextEdit("utils/plots.py", "            w, h = self.font.getsize(text)",
              "            _, _, w, h = self.font.getbbox(text)", "Pillow >= 10: getbbox, not the removed getsize"),
+    TextEdit("utils/metrics.py", "        ap = np.trapz(np.interp(x, mrec, mpre), x)  # integrate\n",
+             "        integrate = np.trapezoid if hasattr(np, 'trapezoid') else np.trapz  # yolov9-qat: numpy without trapz\n"
+             "        ap = integrate(np.interp(x, mrec, mpre), x)  # integrate\n",
+             "NumPy >= 2: np.trapezoid (np.trapz is deprecated and removed in later releases)"),
 )
 TORCH_LOAD_WHY = "torch >= 2.6: weights_only=False, as before 2.6 (upstream checkpoints are pickled models)"
 
