@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -93,13 +94,37 @@ def run_step(cmd: list[str], log: Path) -> None:
 
 
 def quantize_run(args: list[str], save_dir: Path) -> dict:
-    """A `qat.py quantize` run (resumed where it stopped); its report."""
-    report = save_dir / "report.json"
+    """A `qat.py quantize` run (resumed where it stopped); its report. A folder made with other arguments is an
+    error, not a result: its numbers would be reported as this run's."""
+    report, recorded = save_dir / "report.json", save_dir / "benchmark_args.json"
+    what = _result_args(args)
+    if recorded.is_file() and json.loads(recorded.read_text()) != what:
+        raise RuntimeError(f"{save_dir} holds a run made with other arguments ({recorded}); use another --work")
+    if not report.is_file():
+        save_dir.mkdir(parents=True, exist_ok=True)
+        write_json(recorded, what)
     if not (report.is_file() and json.loads(report.read_text()).get("finished")):
         resume = ["--resume", str(save_dir)] if report.is_file() else \
             [*args, "--project", str(save_dir.parent), "--name", save_dir.name, "--exist-ok"]
         run_step([sys.executable, "qat.py", "quantize", *resume], save_dir.with_suffix(".log"))
     return json.loads(report.read_text())
+
+
+def _result_args(args: list[str]) -> list[str]:
+    """The arguments that decide a run's numbers: where it runs (--device, --workers) may change when it resumes."""
+    out, i = [], 0
+    while i < len(args):
+        if args[i] in ("--device", "--workers"):
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
+def recipe_tag(qat_args: tuple[str, ...]) -> str:
+    """'' for the default recipe, else e.g. '-recipe-reference': QAT with --qat-args gets folders of its own."""
+    return "".join(f"-{re.sub(r'[^A-Za-z0-9.-]+', '_', a.lstrip('-'))}" for a in qat_args)
 
 
 def measure(model: Path, data: Path, out: Path, bench: Bench) -> dict:
@@ -182,7 +207,8 @@ class ModelBench:
 
     def finetune(self, method: str, control: bool) -> dict:
         """QAT (or its float control) per seed: the best epoch on select, and the last, each measured on val."""
-        b, kind = self.bench, "fpft" if control else "qat"
+        b = self.bench
+        kind = ("fpft" if control else "qat") + recipe_tag(b.qat_args)
 
         def one(s):
             d = self.work / f"{kind}-seed{s}"
@@ -229,8 +255,8 @@ class ModelBench:
         def one(job):
             dtype, s = job
             graph = export(Path(qat[s]["best_file"]), dtype, b.imgsz)
-            return {"val": measure(graph, self.report_yaml, self.work / f"ort-{dtype}-seed{s}", b),
-                    "lint": lint_summary(graph)}
+            out = self.work / f"ort{recipe_tag(b.qat_args)}-{dtype}-seed{s}"
+            return {"val": measure(graph, self.report_yaml, out, b), "lint": lint_summary(graph)}
         with self.pool() as pool:
             runs = dict(zip(jobs, pool.map(one, jobs)))
         return {dtype: {s: runs[(dtype, s)] for s in qat} for dtype in dtypes}
@@ -567,7 +593,11 @@ def main(argv=None) -> int:
                   tuple(shlex.split(opt.qat_args)), opt.modelopt, tuple(opt.skip), opt.jobs, opt.work.resolve(),
                   opt.out.resolve())
     for name, weights in opt.models.items():
-        entry = ModelBench(bench, name, Path(weights)).run(opt.ablation)
+        try:
+            entry = ModelBench(bench, name, Path(weights)).run(opt.ablation)
+        except RuntimeError as e:  # a step that failed (its log's tail), or a folder of another run: no traceback
+            print(f"benchmark_accuracy: error: {e}", file=sys.stderr)
+            return 1
         print(model_table(entry), flush=True)
     return render(opt.out, check=False)
 

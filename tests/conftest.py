@@ -143,8 +143,11 @@ def run_cli(script: str, *args, cwd: Path | None = None, timeout: int = 900) -> 
 
 def call_cli(script: str, *args) -> subprocess.CompletedProcess:
     """A top-level script's main(argv) in this process: the exit code and what it printed, as run_cli gives them,
-    without starting a Python that imports torch again (~4 s each). For the paths that refuse bad input before
-    any work; an exception that escapes main() fails the calling test, as a traceback would."""
+    without starting a Python that imports torch again (~5 s each). For refusals, and for ONNX Runtime
+    evaluations compared within a tolerance: a PyTorch run in this process does not reproduce a fresh process's
+    numbers to the last digit (this process's torch state differs), and exports switch pytorch-quantization's
+    export mode for the whole process. An exception that escapes main() fails the calling test, as a traceback
+    would."""
     import contextlib
     import importlib.util
     import io

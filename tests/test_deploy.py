@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -38,7 +40,33 @@ def _export(weights, tmp_path, *args):
     return json.loads(out.read_text())
 
 
-def test_fp16_graph_is_all_fp16_and_matches_the_fp32_graph(quantized_weights, demo_data320, tmp_path):
+@pytest.fixture(scope="module")
+def exported(quantized_weights, tmp_path_factory):
+    """export_qat's JSON for a set of flags, each set exported once per module (~9 s an export) from its own copy
+    of the weights, so that no graph overwrites another. Tests read these graphs and never change them."""
+    made: dict[tuple[str, ...], dict] = {}
+
+    def get(*args) -> dict:
+        key = tuple(map(str, args))
+        if key not in made:
+            d = tmp_path_factory.mktemp("export")
+            weights = d / quantized_weights.name
+            shutil.copy(quantized_weights, weights)
+            made[key] = _export(weights, d, *key)
+        return made[key]
+    return get
+
+
+@pytest.fixture(scope="module")
+def static_onnx(quantized_weights, tmp_path_factory) -> Path:
+    """The calibrated model exported with a static batch of 2."""
+    static = tmp_path_factory.mktemp("static") / "static.pt"
+    shutil.copy(quantized_weights, static)
+    assert run_cli("export_qat.py", "--weights", static, "--imgsz", IMGSZ, "--batch-size", 2).returncode == 0
+    return static.with_suffix(".onnx")
+
+
+def test_fp16_graph_is_all_fp16_and_matches_the_fp32_graph(quantized_weights, exported, demo_data320, tmp_path):
     """Default export: FP16 everywhere that is not INT8, FP32 input/output; ONNX Runtime (>= 1.32, whose FP16
     QuantizeLinear rounds as the spec says) runs it. Against the FP32 graph the difference is FP16 rounding of
     activations, which flips a few INT8 roundings: outputs agree to a few percent and detections match."""
@@ -58,7 +86,7 @@ def test_fp16_graph_is_all_fp16_and_matches_the_fp32_graph(quantized_weights, de
     parity = fp16["parity"]
     assert parity["rel_err"]["output0"] < 0.1 and parity["detections_counted"] > 10, parity
     assert parity["detections_matched"] >= 0.9, parity  # FP16 activations too: more flips than the FP32 graph's
-    fp32 = _export(quantized_weights, tmp_path, "--dtype", "fp32")
+    fp32 = exported("--dtype", "fp32")
     assert fp32["lint"]["dtype"] == "fp32" and fp32["lint"]["scale_dtypes"] == ["float32"]
     assert graph_kind(fp32["onnx"]) == ("fp32", True) and fp32["qdq_pairs"] == fp16["qdq_pairs"]
 
@@ -82,8 +110,8 @@ def test_fp16_io_and_end_to_end_with_nms(quantized_weights, tmp_path):
     assert r.returncode == 2 and "--io-dtype fp16 needs --dtype fp16" in r.stderr
 
 
-def test_lint_counts_fp32_compute_in_an_fp16_graph(quantized_weights, tmp_path):
-    res = _export(quantized_weights, tmp_path)
+def test_lint_counts_fp32_compute_in_an_fp16_graph(exported, tmp_path):
+    res = exported("--dtype", "fp16")
     model = onnx.load(res["onnx"])
     softmax = next(n for n in model.graph.node if n.op_type == "Softmax")  # the DFL softmax, forced back to FP32
     i = list(model.graph.node).index(softmax)
@@ -142,9 +170,9 @@ for a in "$@"; do case "$a" in --saveEngine=*) echo engine > "${{a#--saveEngine=
 
 @pytest.mark.parametrize("version_code,dtype,expected", [
     ("110000", "fp16", ""), ("100300", "fp16", "--stronglyTyped"), ("100300", "fp32", "--int8 --fp16")])
-def test_engine_script_builds_each_graph_with_the_flags_of_the_found_version(quantized_weights, tmp_path,
-                                                                            version_code, dtype, expected):
-    res = _export(quantized_weights, tmp_path, "--dtype", dtype)
+def test_engine_script_builds_each_graph_with_the_flags_of_the_found_version(exported, tmp_path, version_code, dtype,
+                                                                            expected):
+    res = exported("--dtype", dtype)
     bin_dir = _fake_trtexec(tmp_path, version_code)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
     r = subprocess.run(["bash", str(REPO / "scripts/generate_trt_engine.sh"), res["onnx"], str(IMGSZ), "--min", "1",
@@ -158,13 +186,11 @@ def test_engine_script_builds_each_graph_with_the_flags_of_the_found_version(qua
 
 
 @pytest.mark.parametrize("version_code", ["110000", "100300"])
-def test_engine_script_static_graph_relative_path_and_profile_flags(quantized_weights, tmp_path, version_code):
+def test_engine_script_static_graph_relative_path_and_profile_flags(exported, static_onnx, tmp_path, version_code):
     """A static graph gets no shapes (trtexec: "Static model does not take explicit shapes"), a relative path works
     from another folder (the engine-graph report too), and 11.x gets no flag it no longer honours."""
-    res = _export(quantized_weights, tmp_path)  # dynamic
-    static = tmp_path / "static.pt"
-    static.write_bytes(quantized_weights.read_bytes())
-    assert run_cli("export_qat.py", "--weights", static, "--imgsz", IMGSZ, "--batch-size", 2).returncode == 0
+    res = exported("--dtype", "fp16")  # dynamic
+    shutil.copy(static_onnx, tmp_path / "static.onnx")
     bin_dir = _fake_trtexec(tmp_path, version_code)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
     elsewhere = tmp_path / "elsewhere"
@@ -191,8 +217,8 @@ def test_engine_script_static_graph_relative_path_and_profile_flags(quantized_we
     print(f"TensorRT v{version_code}: static build: trtexec {' '.join(args)}")
 
 
-def test_engine_script_refuses_an_fp32_graph_on_tensorrt_11(quantized_weights, tmp_path):
-    res = _export(quantized_weights, tmp_path, "--dtype", "fp32")
+def test_engine_script_refuses_an_fp32_graph_on_tensorrt_11(exported, tmp_path):
+    res = exported("--dtype", "fp32")
     bin_dir = _fake_trtexec(tmp_path, "110000")
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
     r = subprocess.run(["bash", str(REPO / "scripts/generate_trt_engine.sh"), res["onnx"], str(IMGSZ)],
@@ -271,10 +297,10 @@ def test_engine_graph_reads_tensorrt_11_layer_json(tmp_path):
     assert r.returncode == 2 and "profilingVerbosity=detailed" in r.stderr
 
 
-def test_fp16_graph_values_follow_fp16_rounding(quantized_weights, tmp_path):
+def test_fp16_graph_values_follow_fp16_rounding(exported, tmp_path):
     """The FP16 graph's first quantized tensor equals quantizing the FP16-rounded image: the converter changed
     types, not arithmetic (and ONNX Runtime rounds FP16 QuantizeLinear to nearest even)."""
-    res = _export(quantized_weights, tmp_path)
+    res = exported("--dtype", "fp16")
     model = onnx.load(res["onnx"])
     q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear")
     model.graph.output.append(onnx.helper.make_tensor_value_info(q.output[0], onnx.TensorProto.INT8, None))

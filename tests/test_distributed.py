@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import CHECKOUT, IMGSZ
+from conftest import CHECKOUT, IMGSZ, call_cli
 
 from models.calibrate import HistogramCollector
 from models.checkpoint import load_quantized_model
@@ -107,7 +107,7 @@ def test_two_process_qat_writes_one_report_and_resume_checks_the_world(gelan_t_w
     assert r.stdout.count("results saved to") + r.stderr.count("results saved to") == 1  # rank 0 alone reports
     report["finished"] = False  # as if the job had been stopped
     (tmp_path / "run" / "report.json").write_text(json.dumps(report))
-    r = _qat("quantize", "--resume", tmp_path / "run", "--device", "cpu")
+    r = call_cli("qat.py", "quantize", "--resume", tmp_path / "run", "--device", "cpu")
     assert r.returncode == 2 and "started on 2 process(es)" in r.stderr and "--nproc_per_node 2" in r.stderr
     r = _torchrun("eval", "--weights", report["qat_best_file"], "--data", demo_data, *COMMON)
     assert r.returncode != 0 and "runs in one process" in r.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CHECKOUT, IMGSZ, REPO, run_cli
+from conftest import CHECKOUT, IMGSZ, REPO, call_cli, run_cli
 
 
 def sh(*args, **kw):
@@ -170,16 +170,32 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights
     again = run_cli("scripts/benchmark_accuracy.py", *args, timeout=600)
     assert again.returncode == 0
     assert not [line for line in again.stdout.splitlines() if line.startswith("+ ")]  # no step ran again
-    r = run_cli("scripts/benchmark_accuracy.py", "--render", "--check", "--out", out)
+    other = [str(a) for a in args]
+    other[other.index("--calib-batches") + 1] = "2"  # the same folders, other numbers: refused, not reused
+    r = call_cli("scripts/benchmark_accuracy.py", *other)
+    assert r.returncode == 1 and "holds a run made with other arguments" in r.stderr and str(work) in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = call_cli("scripts/benchmark_accuracy.py", "--render", "--check", "--out", out)
     assert r.returncode == 0, r.stdout + r.stderr
     table = out / "accuracy.md"
     rendered = table.read_text()
     table.write_text(rendered.replace("<!-- results:accuracy -->\n", "<!-- results:accuracy -->\nedited by hand\n"))
-    r = run_cli("scripts/benchmark_accuracy.py", "--render", "--check", "--out", out)
+    r = call_cli("scripts/benchmark_accuracy.py", "--render", "--check", "--out", out)
     assert r.returncode == 1 and "-edited by hand" in r.stdout
     table.write_text("no block\n")  # a file whose markers went: one line naming it, nothing rewritten
-    r = run_cli("scripts/benchmark_accuracy.py", "--render", "--out", out)
+    r = call_cli("scripts/benchmark_accuracy.py", "--render", "--out", out)
     assert r.returncode != 0 and str(table) in r.stderr and table.read_text() == "no block\n"
+
+
+def test_benchmark_folders_are_named_by_what_decides_their_numbers():
+    """A resumed step may run on another machine (--device, --workers), never with another recipe: QAT with
+    --qat-args gets folders of its own, and its recorded arguments leave out only where it ran."""
+    call_cli("scripts/benchmark_accuracy.py", "--render", "--check")  # loads the script as a module
+    bench = sys.modules["cli_benchmark_accuracy"]
+    assert bench.recipe_tag(()) == ""
+    assert bench.recipe_tag(("--recipe", "reference", "--lr", "3e-5")) == "-recipe-reference-lr-3e-5"
+    args = ["--weights", "w.pt", "--device", "0", "--workers", "8", "--seed", "1", "--lr", "3e-5"]
+    assert bench._result_args(args) == ["--weights", "w.pt", "--seed", "1", "--lr", "3e-5"]
 
 
 def test_published_results_are_what_their_json_renders_to():

@@ -57,7 +57,7 @@ TEXT_EDITS = (
     TextEdit("utils/plots.py", "            w, h = self.font.getsize(text)",
              "            _, _, w, h = self.font.getbbox(text)", "Pillow >= 10: getbbox, not the removed getsize"),
     TextEdit("utils/metrics.py", "        ap = np.trapz(np.interp(x, mrec, mpre), x)  # integrate\n",
-             "        integrate = np.trapezoid if hasattr(np, 'trapezoid') else np.trapz  # yolov9-qat: numpy without trapz\n"
+             "        integrate = np.trapezoid if hasattr(np, 'trapezoid') else np.trapz  # yolov9-qat: no trapz\n"
              "        ap = integrate(np.interp(x, mrec, mpre), x)  # integrate\n",
              "NumPy >= 2: np.trapezoid (np.trapz is deprecated and removed in later releases)"),
 )
