@@ -10,7 +10,8 @@ Run from the patched YOLOv9 checkout. The training images are split (utils/datas
 and fine-tuning) and `select` (every choice: calibration method, best epoch, the peer's method); the val images are
 only measured. Each seed draws its own calibration sample and fine-tuning order. Every step is one of this toolkit's
 commands (qat.py, export_qat.py, val_trt.py) or Model Optimizer's, logged under --work and skipped when its output
-exists, so a call that ran out of time resumes. The result of a model is OUT/<dataset>/<model>/entry.json:
+exists, so a call that ran out of time resumes, on this machine or another (a qat.py folder made with other arguments
+than --device and --workers is refused). The result of a model is OUT/<dataset>/<model>/entry.json:
 provenance (commit, command, machine, seeds, split fingerprints, weights sha256) and every per-seed number.
 """
 from __future__ import annotations
