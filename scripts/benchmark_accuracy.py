@@ -217,10 +217,11 @@ class ModelBench:
                               "--epochs", str(b.qat_epochs), "--iters", str(b.iters), "--no-eval-origin",
                               "--no-eval-ptq", *b.qat_args, *(["--float-control"] if control else [])], d)
             best, last = Path(r["qat_best_file"]), Path(r["qat"][-1]["file"])
+            val_best = measure(best, self.report_yaml, d / "val-best", b)
+            best_is_last = r["qat_best"]["epoch"] == r["qat"][-1]["epoch"]  # one model: measured once
             return {"recipe": r["config"]["qat"], "best_epoch": r["qat_best"]["epoch"],
-                    "select_by_epoch": [e["ap"] for e in r["qat"]], "best_file": str(best),
-                    "val_best": measure(best, self.report_yaml, d / "val-best", b),
-                    "val_last": measure(last, self.report_yaml, d / "val-last", b)}
+                    "select_by_epoch": [e["ap"] for e in r["qat"]], "best_file": str(best), "val_best": val_best,
+                    "val_last": val_best if best_is_last else measure(last, self.report_yaml, d / "val-last", b)}
         with self.pool() as pool:
             return dict(zip(map(str, b.seeds), pool.map(one, b.seeds)))
 

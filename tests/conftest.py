@@ -79,8 +79,8 @@ def end2end_vs_plain(weights: Path, plain: Path, data: Path, size: int, tmp_path
     assert r.returncode == 0, r.stderr[-3000:]
     out = {}
     for name, onnx_file in (("plain", plain), ("e2e", e2e.with_name("e2e-end2end.onnx"))):
-        r = run_cli("val_trt.py", "--onnx-file", onnx_file, "--data", data, "--imgsz", size, "--batch-size", 4,
-                    "--workers", 0, "--project", tmp_path, "--name", name)
+        r = call_cli("val_trt.py", "--onnx-file", onnx_file, "--data", data, "--imgsz", size, "--batch-size", 4,
+                     "--workers", 0, "--project", tmp_path, "--name", name)
         assert r.returncode == 0, r.stderr[-2000:]
         out[name] = json.loads((tmp_path / name / "val_trt.json").read_text())
     print(out)

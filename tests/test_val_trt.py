@@ -202,8 +202,8 @@ def test_end_to_end_graph_scores_like_the_plain_graph(quantized, demo_data320, t
     e2e = tmp_path / "e2e.pt"
     r = run_cli("export_qat.py", "--weights", e2e, "--include", "onnx_end2end", "--dynamic", "--imgsz", SIZE,
                 "--exist-ok")  # the deployment defaults: 0.25 / 0.45 / 100
-    r = run_cli("val_trt.py", "--onnx-file", e2e.with_name("e2e-end2end.onnx"), "--data", demo_data320, "--imgsz", SIZE,
-                "--batch-size", 4, "--workers", 0, "--project", tmp_path, "--name", "defaults")
+    r = call_cli("val_trt.py", "--onnx-file", e2e.with_name("e2e-end2end.onnx"), "--data", demo_data320, "--imgsz",
+                 SIZE, "--batch-size", 4, "--workers", 0, "--project", tmp_path, "--name", "defaults")
     assert r.returncode == 0 and "NMS runs inside this graph with conf_thres 0.25 (--conf-thres 0.001)" in r.stderr
 
 
