@@ -25,8 +25,12 @@ pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | 
 
 echo "install_dependencies: Python $("$PY" -c 'import sys; print(sys.version.split()[0])')"
 if [ "$with_torch" = 1 ]; then
+  echo "install_dependencies: installing $TORCH_PINS and $(grep -c '==' requirements.txt) pinned packages" \
+       "(onnx, onnxruntime, opencv, ...); pip prints nothing while it works: about 1.5-3 min on a fresh machine," \
+       "seconds when they are already there"
   pip_install -r requirements.txt $TORCH_PINS
 else
+  echo "install_dependencies: installing $(grep -c '==' requirements.txt) pinned packages (about a minute on a fresh machine)"
   pip_install -r requirements.txt
 fi
 # pytorch-quantization 2.1.3 is pure Python; its only unusual requirement (sphinx-glpi-theme) is for its docs.

@@ -24,6 +24,7 @@ from models.evaluate import NMSConfig  # noqa: E402
 from models.finetune import DISTILL_TARGETS, LR_SCHEDULES, RECIPES, QATRecipe  # noqa: E402
 from models.pipeline import RunConfig, evaluate_checkpoint, quantize, resume, sensitivity  # noqa: E402
 from models.quantize import CALIB_METHODS, QuantRecipe, skip_patterns  # noqa: E402
+from models.selection import SelectConfig  # noqa: E402
 from utils.io_utils import OutputDir, cli_main  # noqa: E402
 
 RESUME_KEEPS = ("device", "workers", "trust_checkpoint")  # what a resumed run takes from the new command line
@@ -52,12 +53,24 @@ def _common(p, project, weights_required=True):
                    help="unpickle --weights fully if it holds objects outside the YOLO allow-list (can run code)")
 
 
-def _calibration(p):
+def _calibration(p, methods=CALIB_METHODS, default="auto"):
     p.add_argument("--hyp", type=str, default=str(ROOT / DEFAULT_HYP), help="hyperparameters path")
-    p.add_argument("--calib-method", choices=CALIB_METHODS, default="mse",
-                   help="activation amax: max, or from a histogram by mse / percentile / entropy")
+    p.add_argument("--calib-method", choices=methods, default=default,
+                   help="activation amax: auto (every method below from one pass of statistics, the best on the "
+                        "select split kept), or max, or from a histogram by mse / percentile / entropy")
     p.add_argument("--calib-batches", type=int, default=25, help="batches of training images used for calibration")
     p.add_argument("--percentile", type=float, default=99.999, help="percentile for --calib-method percentile")
+
+
+def _select_flags(q):
+    q.add_argument("--select-fraction", type=float, default=0.1,
+                   help="share of the training images held out to choose on (calibration method, delivered model)")
+    q.add_argument("--select-min", type=int, default=100,
+                   help="hold out at least this many images, while at least half of the training images remain")
+    q.add_argument("--select-data", type=str, default=None,
+                   help="dataset.yaml whose val images are the select split (the training images are not split)")
+    q.add_argument("--no-select", action="store_true",
+                   help="choose on the val images instead (their mAP is then optimistic; warned)")
 
 
 def _qat_flags(q):
@@ -94,11 +107,12 @@ def parse_opt(argv=None):
     q = sub.add_parser("quantize", help="insert quantizers, calibrate (PTQ), fine-tune (QAT), save the best")
     _common(q, "runs/qat", weights_required=False)
     _calibration(q)
+    _select_flags(q)
     _qat_flags(q)
 
     s = sub.add_parser("sensitive", help="per-layer quantization sensitivity of a float model")
     _common(s, "runs/qat_sensitive")
-    _calibration(s)
+    _calibration(s, methods=CALIB_METHODS[1:], default="mse")
 
     e = sub.add_parser("eval", help="evaluate a quantized checkpoint")
     _common(e, "runs/qat_eval")
@@ -130,14 +144,16 @@ def build(flags: dict) -> tuple[str, RunConfig, OutputDir, list[str]]:
     cmd = flags.pop("cmd")
     out = OutputDir(flags.pop("project"), flags.pop("name"), flags.pop("exist_ok"))
     skip = [str(v) for v in flags.pop("skip_layers", [])]
-    quant = QuantRecipe(calib_method=flags.pop("calib_method", "mse"), percentile=flags.pop("percentile", 99.999),
+    quant = QuantRecipe(calib_method=flags.pop("calib_method", "auto"), percentile=flags.pop("percentile", 99.999),
                         calib_batches=flags.pop("calib_batches", 25), skip=skip_patterns(skip),
                         share_rules=not flags.pop("no_share_rules", False))
     preset = flags.pop("recipe", "default")
     qat = RECIPES[preset].with_overrides(**{k: flags.pop(k, None) for k in QAT_FIELDS})
     nms = NMSConfig(conf_thres=flags.pop("conf_thres"), iou_thres=flags.pop("iou_thres"))
     flags.pop("resume", None)
-    cfg = RunConfig(quant=quant, qat=qat, nms=nms, epochs=flags.pop("epochs", 0), iters=flags.pop("iters", 0),
+    select = SelectConfig(fraction=flags.pop("select_fraction", 0.1), min_images=flags.pop("select_min", 100),
+                          data=flags.pop("select_data", None), enabled=not flags.pop("no_select", False))
+    cfg = RunConfig(quant=quant, qat=qat, nms=nms, select=select, epochs=flags.pop("epochs", 0), iters=flags.pop("iters", 0),
                     control=flags.pop("float_control", False), eval_origin=not flags.pop("no_eval_origin", False),
                     eval_ptq=not flags.pop("no_eval_ptq", False), hyp=flags.pop("hyp", str(ROOT / DEFAULT_HYP)),
                     **flags)

@@ -2,8 +2,12 @@
 
 Drop-in replacement for pytorch-quantization 2.1.3's HistogramCalibrator: same interface
 (`collect`, `compute_amax(method, ...)`, `reset`) and the same amax choices, but
-- bins keep one fixed width when the range grows, so the histogram never changes length between
-  batches (2.1.3 rebuilds its edges with `torch.arange` and can end up one bin off: 2049 vs 2048);
+- the histogram is a function of the values seen, not of how they were batched: bins are 2^k wide, k the
+  smallest for which the largest |x| seen fits in `num_bins` bins, and a value's bin is floor(|x| / width)
+  (exact for a power of two). A wider range merges whole bins, so one process, any batch size and any number
+  of ranks combined (models/distributed.py) hold the same counts, bin for bin (2.1.3 fixes its edges by the
+  first batch and can end up one bin off: 2049 vs 2048);
+- the exact maximum is kept too, so `max` and every histogram method come from one pass over the data;
 - `mse` and `entropy` evaluate every candidate amax at once as a matrix instead of a Python loop
   (2.1.3 needs minutes for a few hundred quantizers), and run on whatever device the histogram is on
   (2.1.3's mse calls `.cuda()` and fails on CPU).
@@ -14,28 +18,42 @@ import math
 
 import torch
 
-AMAX_METHODS = ("mse", "percentile", "entropy")
+AMAX_METHODS = ("max", "mse", "percentile", "entropy")
 _ROWS_PER_CHUNK = 128  # candidate amax values evaluated together; bounds memory to rows x bins
+_CHUNK = 1 << 24       # values binned at a time: bounds the index tensor's memory
+_TINY = 2.0 ** -40     # the width of a histogram that has seen only zeros
+
+
+def bin_width(x_max: float, num_bins: int) -> float:
+    """The smallest power of two w with x_max / w <= num_bins."""
+    target = max(x_max, _TINY) / num_bins
+    mantissa, exponent = math.frexp(target)  # target = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return math.ldexp(1.0, exponent - 1) if mantissa == 0.5 else math.ldexp(1.0, exponent)
 
 
 class HistogramCollector:
-    """Histogram of |x| over all tensors seen, with fixed-width bins that grow on demand."""
+    """Histogram of |x| over all tensors seen (bins of a power-of-two width, see the module doc) and its maximum."""
 
     def __init__(self, num_bits: int = 8, unsigned: bool = False, num_bins: int = 2048):
         self._num_bits = num_bits
         self._unsigned = unsigned
         self._num_bins = num_bins
-        self._max_bins = 4 * num_bins
         self._hist: torch.Tensor | None = None
         self._width: float | None = None
+        self._max = 0.0
 
     def reset(self) -> None:
         self._hist = None
         self._width = None
+        self._max = 0.0
 
     @property
     def hist(self) -> torch.Tensor | None:
         return self._hist
+
+    @property
+    def max(self) -> float:
+        return self._max
 
     @property
     def bin_edges(self) -> torch.Tensor | None:
@@ -44,31 +62,45 @@ class HistogramCollector:
         n = self._hist.numel()
         return torch.arange(n + 1, dtype=torch.float64, device=self._hist.device) * self._width
 
+    def set_state(self, hist: torch.Tensor, width: float, x_max: float) -> None:
+        """Counts of bins of `width` (a power of two) and the maximum, e.g. several collectors' combined."""
+        self._hist, self._width, self._max = hist, width, x_max
+
+    def _regrid(self, width: float) -> None:
+        """The counts in bins of `width`, a power-of-two multiple of the current width, covering [0, max]."""
+        n = int(self._max // width) + 1
+        if self._hist is None:
+            self._hist = torch.zeros(n, dtype=torch.float64)
+        elif width != self._width:
+            factor = int(width // self._width)
+            index = torch.arange(self._hist.numel(), device=self._hist.device) // factor
+            self._hist = self._hist.new_zeros(n).index_add_(0, index, self._hist)
+        elif n > self._hist.numel():
+            self._hist = torch.cat([self._hist, self._hist.new_zeros(n - self._hist.numel())])
+        self._width = width
+
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
-        x = x.detach().float().abs().flatten()
-        x_max = float(x.max()) if x.numel() else 0.0
-        if self._hist is None:
-            self._width = max(x_max, 1e-12) / self._num_bins
-            self._hist = torch.zeros(self._num_bins, dtype=torch.float64, device=x.device)
-        n = self._hist.numel()
-        if x_max > n * self._width:
-            needed = math.ceil(x_max / self._width)
-            if needed > self._max_bins:  # range grew by orders of magnitude: merge bins, keep the width uniform
-                factor = math.ceil(needed / self._num_bins)
-                merged = torch.arange(n, device=self._hist.device) // factor
-                self._hist = self._hist.new_zeros(int(merged[-1]) + 1).index_add_(0, merged, self._hist)
-                self._width *= factor
-                needed = math.ceil(x_max / self._width)
-            n_old = self._hist.numel()
-            self._hist = torch.cat([self._hist, self._hist.new_zeros(max(needed - n_old, 0))])
-            n = self._hist.numel()
-        self._hist += torch.histc(x, bins=n, min=0.0, max=n * self._width).to(torch.float64)
+        x = x.detach().flatten()
+        if not x.numel():
+            return
+        x_max = float(x.abs().max())
+        if self._hist is None or x_max > self._max:
+            self._max = max(self._max, x_max)
+            self._regrid(bin_width(self._max, self._num_bins))
+            if self._hist.device != x.device:
+                self._hist = self._hist.to(x.device)
+        n, inverse = self._hist.numel(), 1.0 / self._width
+        for chunk in x.split(_CHUNK):
+            index = (chunk.float().abs() * inverse).floor_().clamp_(max=n - 1).to(torch.int64)
+            self._hist += torch.bincount(index, minlength=n).to(torch.float64)
 
     def compute_amax(self, method: str, *, stride: int = 1, start_bin: int = 128,
                      percentile: float = 99.99) -> torch.Tensor | None:
         if self._hist is None:
             return None
+        if method == "max":
+            return torch.tensor(self._max, dtype=torch.float32)
         hist, edges = self._hist, self.bin_edges
         if method == "percentile":
             return amax_percentile(hist, edges, percentile)
@@ -80,7 +112,7 @@ class HistogramCollector:
 
     def __repr__(self) -> str:
         n = 0 if self._hist is None else self._hist.numel()
-        return f"HistogramCollector(bins={n}, width={self._width})"
+        return f"HistogramCollector(bins={n}, width={self._width}, max={self._max})"
 
 
 def amax_percentile(hist: torch.Tensor, edges: torch.Tensor, percentile: float) -> torch.Tensor:

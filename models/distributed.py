@@ -1,23 +1,22 @@
 """Several processes, one quantization run: `torchrun --nproc_per_node N qat.py quantize ...` (PyTorch DDP; NCCL on
 GPUs, gloo on CPUs), as upstream YOLOv9 trains.
 
+- Data: each rank loads only its share of every global batch of one seeded order (utils/batches.py `RankBatches`):
+  together the ranks of a step hold one process's batch.
 - Calibration: each rank collects statistics on its share of the calibration batches; the statistics are then
   combined (histograms summed on one grid, maxima reduced), so every rank holds the same quantizers, equal to those
-  of one process calibrating on the union of the same batches. All ranks first see the sample's first batch, which
-  fixes the histograms' bin width as it does for one process; only rank 0 counts it.
+  of one process calibrating on the union of the same batches, whatever the per-rank batch size: a histogram's
+  bins depend on the values seen alone (models/calibrate.py).
 - Fine-tuning: the student runs under DistributedDataParallel (gradients averaged over ranks), the teacher is
-  replicated, and each step the ranks take consecutive batches of one seeded order, so a step covers the global
-  --batch-size and a re-run or resumed job sees the same data.
+  replicated, and a step covers the global --batch-size; a re-run or resumed job sees the same data.
 - Rank 0 alone evaluates and writes checkpoints and report.json; the others wait for it.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
-import math
 import os
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -55,6 +54,14 @@ class World:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def all_gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        gathered: list = [None] * self.size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
 
 def world_from_env() -> World:
     """The process's place in a torchrun job (one process: rank 0 of 1)."""
@@ -85,63 +92,29 @@ def shutdown_after(world: World):
 # --------------------------------------------------------------------------------------------------
 # Calibration
 # --------------------------------------------------------------------------------------------------
-def sharded(batches: Iterable[torch.Tensor], calibrators: list, world: World) -> Iterator[torch.Tensor]:
-    """This rank's share of `batches` (every world.size-th, from its rank), after the first batch, which every rank
-    sees so that histograms get one bin width; on ranks other than 0 its counts are cleared before going on."""
-    for i, images in enumerate(batches):
-        if i == 0:
-            yield images
-            if not world.main:
-                for c in calibrators:
-                    if isinstance(c, HistogramCollector) and c.hist is not None:
-                        c.hist.zero_()
-        elif i % world.size == world.rank:
-            yield images
-
-
-def combine_statistics(calibrators: list, world: World) -> None:
-    """Every rank's statistics into every rank: histograms summed (on a common grid), maxima reduced."""
+def combine_statistics(collectors: list[HistogramCollector], world: World) -> None:
+    """Every rank's histograms and maxima into every rank's collectors: the counts one collector would hold."""
     if not world.distributed:
         return
-    mine = [_state(c) for c in calibrators]
-    gathered: list = [None] * world.size
-    dist.all_gather_object(gathered, mine)
-    for k, c in enumerate(calibrators):
-        _merge(c, [states[k] for states in gathered])
+    gathered = world.all_gather([None if c.hist is None else (c.hist.cpu().numpy(), c._width, c.max)
+                                 for c in collectors])
+    for k, c in enumerate(collectors):
+        states = [states[k] for states in gathered if states[k] is not None]
+        if states:
+            hist, width, x_max = merge_histograms(states)
+            c.set_state(torch.from_numpy(hist).to(c.hist.device if c.hist is not None else "cpu"), width, x_max)
 
 
-def _state(c):
-    if isinstance(c, HistogramCollector):
-        return None if c.hist is None else ("hist", c._width, c.hist.cpu().numpy())
-    amax = c.compute_amax()
-    return None if amax is None else ("max", amax.cpu().numpy())
-
-
-def _merge(c, states: list) -> None:
-    states = [s for s in states if s is not None]
-    if not states:
-        return
-    if states[0][0] == "max":
-        amax = np.asarray(np.maximum.reduce([np.asarray(s[1]) for s in states]))
-        c._calib_amax = torch.from_numpy(amax).to(c._calib_amax.device if c._calib_amax is not None else "cpu")
-        return
-    width = max(s[1] for s in states)  # every width is the first batch's times an integer (collector merges)
-    grids = [_regrid(hist, w, width) for _, w, hist in states]
-    total = np.zeros(max(len(g) for g in grids))
-    for g in grids:
-        total[:len(g)] += g
-    device = c.hist.device if c.hist is not None else "cpu"
-    c._hist, c._width = torch.from_numpy(total).to(device), width
-
-
-def _regrid(hist: np.ndarray, width: float, target: float) -> np.ndarray:
-    """`hist` (bins of `width`) summed into bins of `target`, an integer multiple of it."""
-    factor = int(round(target / width))
-    if factor <= 1:
-        return hist
-    padded = np.zeros(math.ceil(len(hist) / factor) * factor)
-    padded[:len(hist)] = hist
-    return padded.reshape(-1, factor).sum(1)
+def merge_histograms(states: list[tuple[np.ndarray, float, float]]) -> tuple[np.ndarray, float, float]:
+    """(counts, width, max) of several collectors as one: the widest grid (every width is a power of two, so it is
+    a whole multiple of the others), bins summed, up to the bin of the largest maximum."""
+    width = max(w for _, w, _ in states)
+    x_max = max(m for _, _, m in states)
+    total = np.zeros(int(x_max // width) + 1)
+    for hist, w, _ in states:
+        factor = int(width // w)
+        np.add.at(total, np.arange(len(hist)) // factor, hist)
+    return total, width, x_max
 
 
 # --------------------------------------------------------------------------------------------------
@@ -155,8 +128,3 @@ def data_parallel(student: nn.Module, world: World, device: torch.device) -> nn.
     return DistributedDataParallel(student, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def rank_batches(batches: Iterable, world: World) -> Iterator:
-    """This rank's batches of a seeded stream that holds world.size consecutive batches per step."""
-    for i, batch in enumerate(batches):
-        if i % world.size == world.rank:
-            yield batch

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import math
+import time
+from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from typing import Iterable, Iterator
@@ -217,17 +219,21 @@ class QATObjective:
         self.s_tap.remove()
         self.t_tap.remove()
 
-    def __call__(self, images: torch.Tensor, targets: torch.Tensor, masks: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, dict[str, float]]:
-        recipe = self.recipe
+    def __call__(self, images: torch.Tensor, targets: torch.Tensor, masks: torch.Tensor | None = None,
+                 clock: "StepClock | None" = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The total loss and its parts (detached tensors: reading them waits for the device, so the caller reads
+        them when it needs them)."""
+        recipe, mark = self.recipe, (clock or NO_CLOCK).mark
         with torch.no_grad():
             self.teacher(images)
+        mark("teacher forward")
         preds = self.forward(images)
+        mark("student forward")
         parts, total = {}, images.new_zeros(())
         if recipe.distill == "layers":
             loss = sum(F.mse_loss(s.float(), t.float()) for i in self.layers
                        for s, t in zip(feature_maps(self.s_tap.outputs[i]), feature_maps(self.t_tap.outputs[i])))
-            parts["distill"], total = float(loss.detach()), total + loss
+            parts["distill"], total = loss.detach(), total + loss
         elif recipe.distill == "head":
             head = self.layers[-1]
             (s_maps, s_coef, s_proto), (t_maps, t_coef, t_proto) = (split_head_output(tap.outputs[head])
@@ -235,13 +241,42 @@ class QATObjective:
             loss, weights = head_distill_loss(s_maps, t_maps, self.nc, self.reg_max)
             if s_coef is not None:
                 mask_loss = mask_distill_loss(s_coef, t_coef, s_proto, t_proto, weights)
-                parts["distill_mask"], loss = float(mask_loss.detach()), loss + mask_loss
-            parts["distill"], total = float(loss.detach()), total + loss
+                parts["distill_mask"], loss = mask_loss.detach(), loss + mask_loss
+            parts["distill"], total = loss.detach(), total + loss
         if self.det_loss is not None:
             loss = self.det_loss(preds, targets.to(images.device), None if masks is None else masks.to(images.device))
             loss = loss / images.shape[0]  # upstream scales by the batch size; per image here
-            parts["det"], total = float(loss.detach()), total + recipe.det_loss * loss
+            parts["det"], total = loss.detach(), total + recipe.det_loss * loss
+        mark("losses")
         return total, parts
+
+
+class StepClock:
+    """Where a training step's time goes: wall time per phase, the device synchronized at every boundary so that
+    phases do not overlap (a breakdown; it slows the step, so throughput is measured without it)."""
+
+    def __init__(self, device: torch.device | None, enabled: bool = True):
+        self.sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+        self.enabled = enabled
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._last = None
+
+    def start(self) -> None:
+        if not self.enabled:
+            return
+        self.sync()
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if self._last is None:
+            return
+        self.sync()
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._last
+        self._last = now
+
+
+NO_CLOCK = StepClock(None, enabled=False)  # never starts: its marks cost nothing
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,8 +329,9 @@ class FineTuner:
     """One fine-tuning run of a recipe: the optimizer, the AMP scaler (on CUDA), the weight EMA and the learning-rate
     schedule over `epochs` x `iters` iterations. `epoch()` runs the next epoch; the state resumes a run."""
 
-    def __init__(self, objective: QATObjective, epochs: int, iters: int, amp: bool):
+    def __init__(self, objective: QATObjective, epochs: int, iters: int, amp: bool, clock: StepClock | None = None):
         self.objective, self.epochs, self.iters = objective, epochs, iters
+        self.clock = clock or NO_CLOCK
         recipe, student = objective.recipe, objective.student
         self.optimizer = optimizer_for(student, recipe)
         self.scaler = torch.amp.GradScaler("cuda") if amp else None
@@ -320,41 +356,57 @@ class FineTuner:
         if self.ema is not None:
             self.ema.model, self.ema.updates = state["ema"].to(device), state["ema_updates"]
 
-    def step(self, images: torch.Tensor, targets: torch.Tensor, masks: torch.Tensor | None) -> dict[str, float]:
-        """One optimizer step at the schedule's learning rate; the loss parts."""
-        objective = self.objective
+    def step(self, images: torch.Tensor, targets: torch.Tensor, masks: torch.Tensor | None
+             ) -> dict[str, torch.Tensor | float]:
+        """One optimizer step at the schedule's learning rate; the loss parts (detached tensors) and the rate."""
+        objective, mark = self.objective, self.clock.mark
         lr = lr_at(self.step_count, self.epochs * self.iters, self.epochs, objective.recipe)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         autocast = torch.autocast("cuda", dtype=torch.float16) if self.scaler is not None else nullcontext()
         with autocast:
-            loss, parts = objective(images, targets, masks)
+            loss, parts = objective(images, targets, masks, self.clock)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
+            mark("backward (+ gradient all-reduce)")
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             loss.backward()
+            mark("backward (+ gradient all-reduce)")
             self.optimizer.step()
+        mark("optimizer")
         if self.ema is not None:
             self.ema.update(objective.student)
+            mark("ema")
         self.step_count += 1
-        return {**parts, "loss": float(loss.detach()), "lr": lr}
+        return {**parts, "loss": loss.detach(), "lr": lr}
 
-    def epoch(self, batches: Iterator[tuple], desc: str) -> dict[str, float]:
+    def epoch(self, batches: Iterator[tuple], desc: str, show_every: int = 10) -> dict[str, float]:
         """One epoch of `iters` iterations over (images 0-1, targets, masks or None, ...) batches; the mean of each
-        loss part."""
+        loss part. The losses stay on the device (summed there) and are read every `show_every` steps for the
+        progress bar and once at the end: a read waits for the device, and a wait every step stalls the GPU."""
         self.objective.student.train()
         self.objective.teacher.eval()
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}
         n = 0
-        pbar = tqdm(batches, total=self.iters, desc=desc, bar_format=TQDM_BAR_FORMAT, disable=not desc)
-        for batch in pbar:
+        pbar = tqdm(total=self.iters, desc=desc, bar_format=TQDM_BAR_FORMAT, disable=not desc)
+        batches = iter(batches)
+        while True:
+            self.clock.start()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            self.clock.mark("data (wait + host-to-device)")
             parts = self.step(*batch[:3])
             lr = parts.pop("lr")
             n += 1
             for k, v in parts.items():
-                sums[k] = sums.get(k, 0.0) + v
-            pbar.set_postfix(loss=f"{parts['loss']:.5f}", lr=f"{lr:.2e}")
-        return {k: v / max(n, 1) for k, v in sums.items()}
+                sums[k] = sums[k] + v if k in sums else v.clone()
+            pbar.update()
+            if desc and (n % show_every == 0 or n == self.iters):
+                pbar.set_postfix(loss=f"{float(parts['loss']):.5f}", lr=f"{lr:.2e}")
+            self.clock.mark("progress and bookkeeping")
+        pbar.close()
+        return {k: float(v) / max(n, 1) for k, v in sums.items()}

@@ -10,7 +10,11 @@ with two speed/correctness changes kept in `Int8Quantizer`:
   (no host sync and one to three kernels per quantizer and step; FP16 activations stay FP16), using the
   same [-128, 127] range that the exported QuantizeLinear and TensorRT use, so the model that is trained
   and evaluated is the model that is deployed;
-- calibration histograms use `models.calibrate.HistogramCollector` (fast, CPU and GPU).
+- calibration histograms use `models.calibrate.HistogramCollector` (fast, CPU and GPU, independent of batching).
+
+Calibration collects statistics once (`collect_statistics`); every candidate range (max, mse, entropy, three
+percentiles) is computed from those same statistics, so `--calib-method auto` can measure each candidate and keep
+the best (models/selection.py) for the cost of one pass over the calibration images.
 """
 from __future__ import annotations
 
@@ -25,16 +29,20 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from pytorch_quantization import calib
 from pytorch_quantization import nn as quant_nn
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 from pytorch_quantization.tensor_quant import QuantDescriptor
 
 from models.calibrate import AMAX_METHODS, HistogramCollector
-from models.distributed import World, combine_statistics, sharded
+from models.distributed import World, combine_statistics
 from models.common import AConv, ADown, Concat, RepNBottleneck
 
-CALIB_METHODS = ("max",) + AMAX_METHODS
+CALIB_METHODS = ("auto",) + AMAX_METHODS
+# What `auto` measures: every method, the percentile at the three values TensorRT users commonly take.
+AUTO_CANDIDATES: dict[str, tuple[str, float | None]] = {
+    "max": ("max", None), "mse": ("mse", None), "entropy": ("entropy", None),
+    "percentile-99.9": ("percentile", 99.9), "percentile-99.99": ("percentile", 99.99),
+    "percentile-99.999": ("percentile", 99.999)}
 _MIN_AMAX = 1e-6  # TensorRT rejects a zero scale; a channel that is all zeros gets this instead
 
 
@@ -46,7 +54,7 @@ class QuantRecipe:
     """What to quantize and how. Patterns are regexes matched (re.search) against module names."""
 
     num_bits: int = 8
-    calib_method: str = "mse"          # max | mse | percentile | entropy (activations)
+    calib_method: str = "auto"         # auto (the best on the select split) | max | mse | percentile | entropy
     percentile: float = 99.999         # used by calib_method="percentile"
     calib_batches: int = 25            # training batches whose activations set the ranges
     skip: tuple[str, ...] = ()         # module-name patterns left in floating point
@@ -64,6 +72,14 @@ class QuantRecipe:
             raise ValueError(f"--percentile must be in [0, 100], got {self.percentile}")
         if self.calib_batches < 1:
             raise ValueError(f"--calib-batches must be >= 1, got {self.calib_batches}")
+
+    def candidates(self) -> dict[str, tuple[str, float | None]]:
+        """The activation ranges this recipe calibrates: {name: (method, percentile)}; several for `auto`."""
+        if self.calib_method == "auto":
+            return dict(AUTO_CANDIDATES)
+        if self.calib_method == "percentile":
+            return {f"percentile-{self.percentile:g}": ("percentile", self.percentile)}
+        return {self.calib_method: (self.calib_method, None)}
 
     def is_skipped(self, name: str) -> bool:
         return any(re.search(p, name) for p in self.skip + self.never_quantize)
@@ -162,7 +178,7 @@ class Int8Quantizer(TensorQuantizer):
 
     def __init__(self, quant_desc: QuantDescriptor):
         super().__init__(quant_desc)
-        if quant_desc.calib_method == "histogram":
+        if quant_desc.axis is None:  # activations: one collector serves every method
             self._calibrator = HistogramCollector(self._num_bits, self._unsigned)
 
     def _quant_forward(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -222,8 +238,7 @@ class Int8Quantizer(TensorQuantizer):
 
 
 def _activation_desc(recipe: QuantRecipe) -> QuantDescriptor:
-    method = "max" if recipe.calib_method == "max" else "histogram"
-    return QuantDescriptor(num_bits=recipe.num_bits, calib_method=method)
+    return QuantDescriptor(num_bits=recipe.num_bits, calib_method="histogram")
 
 
 def _weight_desc(recipe: QuantRecipe) -> QuantDescriptor:
@@ -442,21 +457,63 @@ def calibrate_weights(model: nn.Module) -> None:
             m._weight_quantizer.set_amax(w.abs().amax(dim=(1, 2, 3), keepdim=True))
 
 
+class ActivationStatistics:
+    """What one calibration pass saw at every enabled activation quantizer, and the ranges derived from it.
+    `apply(name)` sets every amax to a candidate's ranges (computed once, then cached)."""
+
+    def __init__(self, quantizers: list[TensorQuantizer], collectors: list[HistogramCollector],
+                 candidates: dict[str, tuple[str, float | None]], collect_s: float, device: torch.device):
+        self.quantizers, self.collectors, self.candidates = quantizers, collectors, candidates
+        self.collect_s, self.device = collect_s, device
+        self.amax_s: dict[str, float] = {}
+        self._ranges: dict[str, list[torch.Tensor]] = {}
+
+    def ranges(self, name: str) -> list[torch.Tensor]:
+        if name not in self._ranges:
+            method, percentile = self.candidates[name]
+            t0 = time.perf_counter()
+            kwargs = {} if percentile is None else {"percentile": percentile}
+            self._ranges[name] = [c.compute_amax(method, **kwargs) for c in self.collectors]
+            self.amax_s[name] = round(time.perf_counter() - t0, 3)
+        return self._ranges[name]
+
+    def apply(self, name: str) -> None:
+        for q, amax in zip(self.quantizers, self.ranges(name)):
+            q.set_amax(amax.reshape(()).to(self.device))
+
+
+@contextlib.contextmanager
+def quiet_quantizers():
+    """pytorch-quantization logs every quantizer's state change through absl (hundreds of lines per calibration
+    of a large model): kept to errors while the quantizers are switched, the caller prints one summary instead."""
+    from absl import logging as absl_logging
+    level = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(level)
+
+
 @torch.no_grad()
-def calibrate(model: nn.Module, recipe: QuantRecipe, batches: Iterable[torch.Tensor], world: World = World()
-              ) -> dict[str, float]:
-    """PTQ: collect activation statistics over `batches` (already on the model's device, float, 0-1 scaled; the
-    caller draws `recipe.calib_batches` of them), then set every amax by `recipe.calib_method`. In a distributed
-    job every rank passes the same batches, collects on its share and gets the combined statistics
-    (models/distributed.py). Returns timings in seconds."""
-    method = recipe.calib_method
+def collect_statistics(model: nn.Module, recipe: QuantRecipe, batches: Iterable[torch.Tensor],
+                       world: World = World()) -> ActivationStatistics:
+    """One pass over `batches` (on the model's device, float, 0-1 scaled): the histogram and maximum of every
+    enabled activation quantizer's input, and the per-channel weight ranges. In a distributed job each rank passes
+    its share of the calibration images and gets the combined statistics (models/distributed.py)."""
+    with quiet_quantizers():
+        return _collect_statistics(model, recipe, batches, world)
+
+
+def _collect_statistics(model: nn.Module, recipe: QuantRecipe, batches: Iterable[torch.Tensor],
+                        world: World) -> ActivationStatistics:
     acts = [q for _, q in named_quantizers(model, activations_only=True) if not q._disabled]
+    collectors = []
     for q in acts:
-        if method == "max" and not isinstance(q._calibrator, calib.MaxCalibrator):
-            q._calibrator = calib.MaxCalibrator(q.num_bits, None, q.unsigned)
-        elif method != "max" and not isinstance(q._calibrator, HistogramCollector):
+        if not isinstance(q._calibrator, HistogramCollector):
             q._calibrator = HistogramCollector(q.num_bits, q.unsigned)
         q._calibrator.reset()
+        collectors.append(q._calibrator)
         q.clear_amax()
         q.disable_quant()
         q.enable_calib()
@@ -465,26 +522,33 @@ def calibrate(model: nn.Module, recipe: QuantRecipe, batches: Iterable[torch.Ten
     model.eval()
     t0 = time.perf_counter()
     try:
-        calibrators = [q._calibrator for q in acts]
-        for im in sharded(batches, calibrators, world):
+        for im in batches:
             model(im)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        combine_statistics(calibrators, world)
-        t1 = time.perf_counter()
-        for q in acts:
-            amax = q._calibrator.compute_amax() if method == "max" else \
-                q._calibrator.compute_amax(method, percentile=recipe.percentile)
-            if amax is None:
-                raise RuntimeError("a quantizer saw no data during calibration; is the model's forward complete?")
-            q.set_amax(amax.reshape(()).to(_device_of(model)))
+        combine_statistics(collectors, world)
     finally:
         for q in acts:
             q.disable_calib()
             q.enable_quant()
-            q._calibrator.reset()
         model.train(was_training)
-    return {"collect_s": t1 - t0, "compute_amax_s": time.perf_counter() - t1}
+    empty = [i for i, c in enumerate(collectors) if c.hist is None]
+    if empty:
+        raise RuntimeError(f"{len(empty)} quantizer(s) saw no data during calibration; is the model's forward complete?")
+    for q in acts:  # the statistics now belong to the returned object
+        q._calibrator = HistogramCollector(q.num_bits, q.unsigned)
+    return ActivationStatistics(acts, collectors, recipe.candidates(), time.perf_counter() - t0, _device_of(model))
+
+
+def calibrate(model: nn.Module, recipe: QuantRecipe, batches: Iterable[torch.Tensor], world: World = World()
+              ) -> ActivationStatistics:
+    """PTQ with one fixed method: statistics over `batches`, then every amax by `recipe.calib_method`.
+    (`auto` measures candidates on a select split: models/selection.py.)"""
+    if recipe.calib_method == "auto":
+        raise ValueError("calib_method 'auto' chooses by measuring: use models.selection.choose_calibration")
+    stats = collect_statistics(model, recipe, batches, world)
+    stats.apply(next(iter(stats.candidates)))
+    return stats
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -507,6 +571,7 @@ __all__ = [
     "learnable_amax_parameters",
     "freeze_amax", "quant_params", "quantize_model", "is_quantized",
     "named_quantizers", "quantizer_counts", "layer_quantizers", "quantization_disabled", "calibrate",
+    "collect_statistics", "ActivationStatistics", "AUTO_CANDIDATES",
     "calibrate_weights", "copy_float",
     "skip_patterns", "CALIB_METHODS", "QUANTIZED_TYPES", "register",
 ]

@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""Accuracy benchmark: float vs PTQ (each calibration method) vs QAT vs its float control (the same fine-tune with
+"""Accuracy benchmark: float vs PTQ (each calibration method) vs the default `qat.py quantize` command (`auto`
+calibration, QAT, the best of PTQ and every QAT epoch delivered) vs its float control (the same fine-tune with
 quantizers disabled) vs NVIDIA Model Optimizer's ONNX PTQ, over seeds, with every choice made on a selection split.
 
     python scripts/benchmark_accuracy.py --dataset helmet --data /data/helmet-416/data.yaml --imgsz 416 \\
         --models gelan-s=assets/gelan-s-helmet.pt --seeds 0 1 2 --device 0 --batch-size 32 [--modelopt]
-    python scripts/benchmark_accuracy.py --render [--check]    # tables in results/, README.md, docs/RESULTS.md
+    python scripts/benchmark_accuracy.py --render [--check] [--docs]   # tables in --out [and README, RESULTS]
 
-Run from the patched YOLOv9 checkout. The training images are split (utils/datasplit.py) into `fit` (calibration
-and fine-tuning) and `select` (every choice: calibration method, best epoch, the peer's method); the val images are
-only measured. Each seed draws its own calibration sample and fine-tuning order. Every step is one of this toolkit's
+Run from the patched YOLOv9 checkout. The training images are split into `fit` (calibration and fine-tuning) and
+`select` (every choice: calibration method, delivered model, the peer's method) by the rule `qat.py quantize` itself
+applies (utils/datasplit.py, models/selection.py): each run carves it from --data and the benchmark checks that its
+fingerprint is the benchmark's; the val images are only measured. Everything is written under --work and --out;
+`--docs` also renders this repository's README.md and docs/RESULTS.md. Each seed draws its own calibration sample and fine-tuning order. Every step is one of this toolkit's
 commands (qat.py, export_qat.py, val_trt.py) or Model Optimizer's, logged under --work and skipped when its output
 exists, so a call that ran out of time resumes, on this machine or another (a qat.py folder made with other arguments
 than --device and --workers is refused). The result of a model is OUT/<dataset>/<model>/entry.json:
@@ -107,7 +110,7 @@ def quantize_run(args: list[str], save_dir: Path) -> dict:
     if not (report.is_file() and json.loads(report.read_text()).get("finished")):
         resume = ["--resume", str(save_dir)] if report.is_file() else \
             [*args, "--project", str(save_dir.parent), "--name", save_dir.name, "--exist-ok"]
-        run_step([sys.executable, "qat.py", "quantize", *resume], save_dir.with_suffix(".log"))
+        run_step([sys.executable, "qat.py", "quantize", *resume], save_dir.with_name(save_dir.name + ".log"))
     return json.loads(report.read_text())
 
 
@@ -169,7 +172,8 @@ class ModelBench:
     def __init__(self, bench: Bench, name: str, weights: Path):
         self.bench, self.name, self.weights = bench, name, weights.resolve()
         self.work = bench.work / bench.dataset / name
-        self.split = write_split(bench.data, bench.work / bench.dataset / "split")
+        self.split = write_split(bench.data, bench.work / bench.dataset / "split")  # qat.py's own rule
+        self.select_fingerprint = yaml_split(self.split)["fingerprint"]["select"]
         self.report_yaml = self._report_yaml()
 
     def _report_yaml(self) -> Path:
@@ -188,55 +192,89 @@ class ModelBench:
         return {"select": measure(model, self.split, out / "select", self.bench),
                 "val": measure(model, self.report_yaml, out / "val", self.bench)}
 
+    def quantize(self, folder: str, seed: int, extra: list[str]) -> dict:
+        """A `qat.py quantize` run on --data (it carves the select split itself; checked to be this benchmark's)."""
+        b = self.bench
+        r = quantize_run([*b.common(self.weights, Path(b.data)), "--seed", str(seed), "--no-eval-origin", *extra],
+                         self.work / folder)
+        if r["select"]["fingerprint"] != self.select_fingerprint:
+            raise RuntimeError(f"{self.work / folder}: qat.py held out other select images than the benchmark's split")
+        return r
+
+    def finetune_args(self, *extra: str) -> list[str]:
+        b = self.bench
+        return ["--epochs", str(b.qat_epochs), "--iters", str(b.iters), "--no-eval-ptq", *extra]
+
     def ptq(self) -> dict:
-        """Every calibration method x seed: PTQ measured on select (in the run) and on val."""
+        """Every fixed calibration method x seed: PTQ measured on select (in the run) and on val."""
         b = self.bench
         jobs = [(m, s) for m in b.methods for s in b.seeds]
 
         def one(job):
             m, s = job
+            r = self.quantize(f"ptq-{m}-seed{s}", s, [*CALIBRATIONS[m], "--epochs", "0"])
             d = self.work / f"ptq-{m}-seed{s}"
-            r = quantize_run([*b.common(self.weights, self.split), *CALIBRATIONS[m], "--seed", str(s), "--epochs", "0",
-                              "--no-eval-origin"], d)
+            seconds = r["calibration"]["seconds"]
             return {"select": r["ptq"], "val": measure(Path(r["ptq_file"]), self.report_yaml, d / "val", b),
-                    "calib_s": round(r["timing"]["calib_collect_s"] + r["timing"]["calib_amax_s"], 2),
+                    "calib_s": round(seconds["collect"] + sum(seconds["ranges"].values()), 2),
                     "calibration_sample": sample_id(r["calibration_images"]),
                     "calibration_images": r["calibration_images"], "file": r["ptq_file"]}
         with self.pool() as pool:
             runs = dict(zip(jobs, pool.map(one, jobs)))
         return {m: {str(s): runs[(m, s)] for s in b.seeds} for m in b.methods}
 
-    def finetune(self, method: str, control: bool) -> dict:
-        """QAT (or its float control) per seed: the best epoch on select, and the last, each measured on val."""
+    def default_command(self) -> dict:
+        """The command users run, per seed: `auto` calibration (its choice and every candidate's select mAP), QAT,
+        the delivered model (the best on select of PTQ and every QAT epoch); the PTQ, the best QAT epoch, the last
+        and the delivered model measured on val."""
         b = self.bench
-        kind = ("fpft" if control else "qat") + recipe_tag(b.qat_args)
+        tag = "qat" + recipe_tag(b.qat_args)
 
         def one(s):
-            d = self.work / f"{kind}-seed{s}"
-            r = quantize_run([*b.common(self.weights, self.split), *CALIBRATIONS[method], "--seed", str(s),
-                              "--epochs", str(b.qat_epochs), "--iters", str(b.iters), "--no-eval-origin",
-                              "--no-eval-ptq", *b.qat_args, *(["--float-control"] if control else [])], d)
-            best, last = Path(r["qat_best_file"]), Path(r["qat"][-1]["file"])
-            val_best = measure(best, self.report_yaml, d / "val-best", b)
-            best_is_last = r["qat_best"]["epoch"] == r["qat"][-1]["epoch"]  # one model: measured once
-            return {"recipe": r["config"]["qat"], "best_epoch": r["qat_best"]["epoch"],
-                    "select_by_epoch": [e["ap"] for e in r["qat"]], "best_file": str(best), "val_best": val_best,
-                    "val_last": val_best if best_is_last else measure(last, self.report_yaml, d / "val-last", b)}
+            r = self.quantize(f"{tag}-seed{s}", s, self.finetune_args(*b.qat_args))
+            d = self.work / f"{tag}-seed{s}"
+            cal, final, epochs = r["calibration"], r["final"], r["qat"]
+            ptq_val = measure(Path(r["ptq_file"]), self.report_yaml, d / "val-ptq", b)
+            best, last = r["qat_best"], epochs[-1]
+            val_best = measure(Path(r["qat_best_file"]), self.report_yaml, d / "val-best", b)
+            val_last = val_best if best["epoch"] == last["epoch"] else \
+                measure(Path(last["file"]), self.report_yaml, d / "val-last", b)
+            return {"recipe": r["config"]["qat"], "auto": {"chosen": cal["chosen"], "candidates": cal["candidates"],
+                                                          "seconds": cal["seconds"], "val": ptq_val},
+                    "best_epoch": best["epoch"], "select_by_epoch": [e["ap"] for e in epochs], "val_best": val_best,
+                    "val_last": val_last, "final": {"stage": final["stage"], "epoch": final["epoch"]},
+                    "val_final": ptq_val if final["stage"] == "ptq" else val_best, "final_file": final["file"]}
         with self.pool() as pool:
             return dict(zip(map(str, b.seeds), pool.map(one, b.seeds)))
 
-    def ablation(self, method: str) -> dict:
-        """Every recipe variant x seed from the chosen PTQ: the best epoch's select mAP (val is not looked at)."""
+    def control(self) -> dict:
+        """The float control of the default command per seed: its best epoch on select and its last, on val."""
+        b = self.bench
+        tag = "fpft" + recipe_tag(b.qat_args)
+
+        def one(s):
+            d = self.work / f"{tag}-seed{s}"
+            r = self.quantize(f"{tag}-seed{s}", s, self.finetune_args(*b.qat_args, "--float-control"))
+            best, last = r["qat_best"], r["qat"][-1]
+            val_best = measure(Path(r["qat_best_file"]), self.report_yaml, d / "val-best", b)
+            return {"recipe": r["config"]["qat"], "best_epoch": best["epoch"],
+                    "select_by_epoch": [e["ap"] for e in r["qat"]], "val_best": val_best,
+                    "val_last": val_best if best["epoch"] == last["epoch"] else
+                    measure(Path(last["file"]), self.report_yaml, d / "val-last", b)}
+        with self.pool() as pool:
+            return dict(zip(map(str, b.seeds), pool.map(one, b.seeds)))
+
+    def ablation(self) -> dict:
+        """Every recipe variant x seed, as the default command with the variant's flags: the best epoch's select mAP
+        (val is not looked at)."""
         b = self.bench
         jobs = [(v, s) for v in ABLATION for s in b.seeds]
 
         def one(job):
             v, s = job
-            same_as_qat = v == "default" and not b.qat_args  # the QAT stage's own command: its run, not a rerun
-            d = self.work / (f"qat-seed{s}" if same_as_qat else f"ablation-{v}-seed{s}")
-            r = quantize_run([*b.common(self.weights, self.split), *CALIBRATIONS[method], "--seed", str(s), "--epochs",
-                              str(b.qat_epochs), "--iters", str(b.iters), "--no-eval-origin", "--no-eval-ptq",
-                              *ABLATION[v][1]], d)
+            same_as_qat = v == "default" and not b.qat_args  # the default command's own run, not a rerun
+            r = self.quantize(f"qat-seed{s}" if same_as_qat else f"ablation-{v}-seed{s}", s,
+                              self.finetune_args(*ABLATION[v][1]))
             return r["qat_best"]["ap"]
         with self.pool() as pool:
             runs = dict(zip(jobs, pool.map(one, jobs)))
@@ -244,19 +282,19 @@ class ModelBench:
                     "select_best": spread([runs[(v, s)] for s in b.seeds])} for v in ABLATION}
         for row in rows.values():
             row["vs_default"] = difference(row["select_best"], rows["default"]["select_best"])
-        result = {"model": self.name, "dataset": b.dataset, "calibration": method, "provenance": self.provenance(),
+        result = {"model": self.name, "dataset": b.dataset, "calibration": "auto", "provenance": self.provenance(),
                   "settings": self.settings(), "variants": rows}
         write_json(b.out / b.dataset / self.name / "ablation.json", result)
         return result
 
     def deployed(self, qat: dict) -> dict:
-        """The QAT best-on-select checkpoint of every seed as the FP32 and the FP16 graph, in ONNX Runtime on val."""
+        """The delivered model of every seed as the FP32 and the FP16 graph, in ONNX Runtime on val."""
         b, dtypes = self.bench, ("fp32", "fp16")
         jobs = [(dtype, s) for dtype in dtypes for s in qat]
 
         def one(job):
             dtype, s = job
-            graph = export(Path(qat[s]["best_file"]), dtype, b.imgsz)
+            graph = export(Path(qat[s]["final_file"]), dtype, b.imgsz)
             out = self.work / f"ort{recipe_tag(b.qat_args)}-{dtype}-seed{s}"
             return {"val": measure(graph, self.report_yaml, out, b), "lint": lint_summary(graph)}
         with self.pool() as pool:
@@ -301,7 +339,7 @@ class ModelBench:
         ptq = self.ptq()
         choice = max(ptq, key=lambda m: spread([r["select"]["ap"] for r in ptq[m].values()])["mean"])
         if ablation:
-            self.ablation(choice)
+            self.ablation()
         skip = self.bench.skip
         entry = {"model": self.name, "dataset": self.bench.dataset, "imgsz": self.bench.imgsz,
                  "provenance": self.provenance(), "settings": self.settings(), "fp": fp,
@@ -309,33 +347,32 @@ class ModelBench:
                  "ptq_choice": choice, "not_run": list(skip)}
         ours = Path(ptq[choice][str(self.bench.seeds[0])]["file"])  # the deployed graph of our best stage
         if "qat" not in skip:
-            qat = self.finetune(choice, control=False)
+            qat = self.default_command()
             entry["qat"] = {s: _public(r) for s, r in qat.items()}
-            ours = Path(qat[str(self.bench.seeds[0])]["best_file"])
+            ours = Path(qat[str(self.bench.seeds[0])]["final_file"])
             if "ort" not in skip:
                 entry["ort"] = self.deployed(qat)
         if "fp_ft" not in skip:
-            entry["fp_ft"] = {s: _public(r) for s, r in self.finetune(choice, control=True).items()}
+            entry["fp_ft"] = self.control()
         if self.bench.modelopt:
             peer = self.modelopt(ptq[choice])
             entry["modelopt"] = peer
             entry["modelopt_choice"] = max(peer, key=lambda m: spread([r["select"]["ap"] for r in peer[m].values()])
                                            ["mean"])
-            entry["ours_lint"] = {"graph": "qat" if "qat" in entry else f"ptq-{choice}",
+            entry["ours_lint"] = {"graph": "delivered" if "qat" in entry else f"ptq-{choice}",
                                   **lint_summary(export(ours, "fp32", self.bench.imgsz))}
         entry["summary"] = summarize(entry)
         write_json(self.bench.out / self.bench.dataset / self.name / "entry.json", entry)
         return entry
 
     def provenance(self) -> dict:
-        import yaml
         digest = sha256(self.weights)
         train = self.bench.out / self.bench.dataset / self.name / "float" / "train.json"
         trained = json.loads(train.read_text()) if train.is_file() else {}
         return {"commit": toolkit_commit(), "command": command_line(), "machine": machine(),
                 "weights": str(self.weights.relative_to(REPO) if self.weights.is_relative_to(REPO) else self.weights),
                 "weights_sha256": digest, "seeds": list(self.bench.seeds),
-                "split": yaml.safe_load(self.split.read_text())["split"],
+                "split": yaml_split(self.split),
                 "float_training": {k: trained[k] for k in ("epochs_run", "best_epoch", "best_select_map", "converged")}
                 if trained.get("weights_sha256") == digest else None}
 
@@ -346,7 +383,12 @@ class ModelBench:
 
 def _public(run: dict) -> dict:
     """A run's numbers without machine-local paths and file lists (the sample is identified by its digest)."""
-    return {k: v for k, v in run.items() if k not in ("best_file", "calibration_images", "file")}
+    return {k: v for k, v in run.items() if k not in ("final_file", "calibration_images", "file")}
+
+
+def yaml_split(split_yaml: Path) -> dict:
+    import yaml
+    return yaml.safe_load(split_yaml.read_text())["split"]
 
 
 def sample_id(names: list[str]) -> str:
@@ -379,19 +421,25 @@ def calibration_array(split_yaml: Path, names: list[str], imgsz: int, path: Path
 def summarize(e: dict) -> dict:
     """Mean +- std over seeds of every stage that ran, on val, and the differences the claims rest on."""
     over = lambda runs, key: spread([r[key]["ap"] for r in runs.values()])  # noqa: E731
-    s = {"fp": spread([e["fp"]["val"]["ap"]]),
+    s = {"fp": spread([e["fp"]["val"]["ap"]], fixed=True),
          "ptq": {m: over(runs, "val") for m, runs in e["ptq"].items()},
          "ptq_select": {m: over(runs, "select") for m, runs in e["ptq"].items()}}
     best_ptq = s["ptq"][e["ptq_choice"]]
     s["best_ptq_vs_fp"] = difference(best_ptq, s["fp"])
+    s["best_fixed_on_val"] = max(s["ptq"], key=lambda m: s["ptq"][m]["mean"])  # the hardest bar, known only after
+    best_fixed = s["ptq"][s["best_fixed_on_val"]]
     if "qat" in e:
+        s["auto"] = spread([r["auto"]["val"]["ap"] for r in e["qat"].values()])
+        s["auto_vs_best_fixed"] = difference(s["auto"], best_fixed)
         s["qat_best"], s["qat_last"] = over(e["qat"], "val_best"), over(e["qat"], "val_last")
-        s["user_gain"] = difference(s["qat_best"], s["fp"])                    # QAT - the float model
+        s["final"] = over(e["qat"], "val_final")
+        s["user_gain"] = difference(s["final"], s["fp"])                      # delivered - the float model
+        s["final_vs_best_fixed"] = difference(s["final"], best_fixed)
         s["qat_vs_best_ptq"] = difference(s["qat_best"], best_ptq)
     if "fp_ft" in e:
         s["fp_ft_best"], s["fp_ft_last"] = over(e["fp_ft"], "val_best"), over(e["fp_ft"], "val_last")
     if "qat" in e and "fp_ft" in e:
-        s["quantization_cost"] = difference(s["qat_best"], s["fp_ft_best"])   # QAT - its float control
+        s["quantization_cost"] = difference(s["final"], s["fp_ft_best"])      # delivered - its float control
     if "ort" in e:
         s["ort"] = {d: over(runs, "val") for d, runs in e["ort"].items()}
         s["ort_vs_pytorch"] = {d: difference(v, s["qat_best"]) for d, v in s["ort"].items()}
@@ -419,10 +467,19 @@ def model_table(e: dict) -> str:
     for m in s["ptq"]:
         chosen = " (chosen on select)" if m == e["ptq_choice"] else ""
         rows.append((f"PTQ {m}{chosen}", s["ptq"][m], fmt(s["ptq_select"][m])))
+    if "auto" in s:
+        chosen = ", ".join(r["auto"]["chosen"] for r in e["qat"].values())
+        rows.append((f"PTQ auto, the default (chose {chosen})", s["auto"],
+                     fmt(spread([r["auto"]["candidates"][r["auto"]["chosen"]] for r in e["qat"].values()]))))
     for key, name in (("fp_ft_best", "FP fine-tune control, best epoch on select"),
                       ("fp_ft_last", "FP fine-tune control, last epoch"), ("qat_best", "QAT, best epoch on select"),
                       ("qat_last", "QAT, last epoch")):
         rows.append((name, s.get(key), "" if key in s else not_run))
+    if "final" in s:
+        stages = ", ".join(r["final"]["stage"] + (f" {r['final']['epoch']}" if r["final"]["epoch"] else "")
+                           for r in e["qat"].values())
+        rows.append((f"**Delivered by the default command** (best on select of PTQ and QAT epochs: {stages})",
+                     s["final"], ""))
     for dtype, name in (("fp32", "QAT, FP32 Q/DQ graph in ONNX Runtime"),
                         ("fp16", "QAT, FP16 Q/DQ graph in ONNX Runtime (TensorRT 11's)")):
         rows.append((name, s.get("ort", {}).get(dtype), "" if "ort" in s else not_run))
@@ -433,12 +490,15 @@ def model_table(e: dict) -> str:
     machine_ = e["provenance"]["machine"]
     lines = [f"**{e['model']}** on {e['dataset']} ({e['provenance']['split']['images']['val']} val images, "
              f"imgsz {e['imgsz']}; {seeds} seeds; {machine_['gpu'] or 'CPU: ' + machine_['cpu']}; commit "
-             f"{e['provenance']['commit'][:10]})", "",
+             f"{_commit(e['provenance']['commit'])})", "",
              "| Stage | mAP50-95 val, mean ± std (seeds) | mAP50-95 select |", "|---|---|---|"]
     lines += [f"| {name} | {fmt(v)} | {sel} |" for name, v, sel in rows]
-    claims = [("Quantization cost (QAT - its FP control)", s.get("quantization_cost")),
-              ("Gain over the float model (QAT - FP32)", s.get("user_gain")),
-              ("QAT - best PTQ", s.get("qat_vs_best_ptq")), ("Best PTQ - FP32", s.get("best_ptq_vs_fp"))]
+    claims = [("Quantization cost (delivered - its FP control)", s.get("quantization_cost")),
+              ("Delivered - FP32", s.get("user_gain")),
+              (f"Delivered - best fixed PTQ on val ({s['best_fixed_on_val']})", s.get("final_vs_best_fixed")),
+              (f"PTQ auto - best fixed PTQ on val ({s['best_fixed_on_val']})", s.get("auto_vs_best_fixed")),
+              ("QAT best epoch - PTQ chosen on select", s.get("qat_vs_best_ptq")),
+              ("PTQ chosen on select - FP32", s.get("best_ptq_vs_fp"))]
     lines += [""] + [f"- {name}: {fmt_difference(d)}" for name, d in claims if d]
     if "ort_vs_pytorch" in s:
         lines.append("- Deployed graphs - PyTorch: " + ", ".join(f"{d} {fmt_difference(v)}"
@@ -450,6 +510,11 @@ def model_table(e: dict) -> str:
                      f"{fmt_difference(s.get('qat_vs_modelopt') or s['ptq_vs_modelopt'])}; unshared-scale joins: "
                      f"ours {e['ours_lint']['unshared_joins']}, Model Optimizer {lint['unshared_joins']}")
     return "\n".join(lines)
+
+
+def _commit(commit: str) -> str:
+    """A short commit, marked where the run's working tree held changes beyond it."""
+    return commit[:10] + (" with uncommitted changes" if commit.endswith("-dirty") else "")
 
 
 def training_table(out: Path) -> str:
@@ -509,15 +574,17 @@ def ablation_table(out: Path) -> str:
     return "\n\n".join(parts) if parts else "No ablation recorded yet."
 
 
-def rendered(out: Path) -> dict[Path, dict[str, str]]:
-    """Every rendered block, by file: results/accuracy.md, docs/RESULTS.md and README.md."""
+def rendered(out: Path, docs: bool) -> dict[Path, dict[str, str]]:
+    """Every rendered block, by file: OUT/accuracy.md, and with `docs` this repository's docs/RESULTS.md and
+    README.md (nothing outside --out otherwise)."""
     tables = [model_table(e) for e in entries(out)]
     accuracy = "\n\n".join(tables) if tables else "No benchmark entry yet."
-    root = out.parent
-    return {out / "accuracy.md": {"accuracy": accuracy},
-            root / "docs" / "RESULTS.md": {"accuracy": accuracy, "float-training": training_table(out),
-                                           "ablation": ablation_table(out), "costs": costs_table(out)},
-            root / "README.md": {"accuracy": accuracy, "demo": demo_table(out)}}
+    files = {out / "accuracy.md": {"accuracy": accuracy}}
+    if docs:
+        files[REPO / "docs" / "RESULTS.md"] = {"accuracy": accuracy, "float-training": training_table(out),
+                                               "ablation": ablation_table(out), "costs": costs_table(out)}
+        files[REPO / "README.md"] = {"accuracy": accuracy, "demo": demo_table(out)}
+    return files
 
 
 # --------------------------------------------------------------------------------------------------
@@ -547,6 +614,8 @@ def parse_opt(argv=None):
     p.add_argument("--out", type=Path, default=REPO / "results", help="entries and rendered tables")
     p.add_argument("--render", action="store_true", help="only render the tables from the entries")
     p.add_argument("--check", action="store_true", help="with --render: fail if a rendered file is out of date")
+    p.add_argument("--docs", action="store_true",
+                   help="also render this repository's README.md and docs/RESULTS.md from --out (default: only --out)")
     opt = p.parse_args(argv)
     opt.models = dict(_pairs(p, opt.models))
     for name, weights in opt.models.items():
@@ -571,9 +640,10 @@ def _pairs(parser, items):
         yield name, value
 
 
-def render(out: Path, check: bool) -> int:
+def render(out: Path, check: bool, docs: bool) -> int:
+    files = rendered(out, docs)
     try:
-        diffs = render_files(rendered(out), check)
+        diffs = render_files(files, check)
     except ValueError as e:  # a file whose markers were removed: name it, write nothing
         print(f"benchmark_accuracy: error: {e}", file=sys.stderr)
         return 1
@@ -582,14 +652,14 @@ def render(out: Path, check: bool) -> int:
         print("benchmark_accuracy: the files above are not what the results JSON renders to; run "
               "`python scripts/benchmark_accuracy.py --render`", file=sys.stderr)
         return 1
-    print(f"benchmark_accuracy: {'checked' if check else 'rendered'} {len(rendered(out))} files")
+    print(f"benchmark_accuracy: {'checked' if check else 'rendered'} {len(files)} files")
     return 0
 
 
 def main(argv=None) -> int:
     opt = parse_opt(argv)
     if opt.render:
-        return render(opt.out, opt.check)
+        return render(opt.out, opt.check, opt.docs)
     bench = Bench(opt.dataset, str(Path(opt.data).resolve()), opt.imgsz, opt.device, opt.batch_size, opt.workers,
                   tuple(opt.seeds), tuple(opt.methods), opt.qat_epochs, opt.iters, opt.calib_batches,
                   tuple(shlex.split(opt.qat_args)), opt.modelopt, tuple(opt.skip), opt.jobs, opt.work.resolve(),
@@ -601,7 +671,7 @@ def main(argv=None) -> int:
             print(f"benchmark_accuracy: error: {e}", file=sys.stderr)
             return 1
         print(model_table(entry), flush=True)
-    return render(opt.out, check=False)
+    return render(opt.out, check=False, docs=opt.docs)
 
 
 if __name__ == "__main__":

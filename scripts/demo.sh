@@ -52,7 +52,7 @@ step "quantize $(basename "$MODEL"): PTQ calibration + $QAT_EPOCHS QAT epochs x 
 python3 qat.py quantize --weights "$MODEL" --data "$DATA" --imgsz "$IMGSZ" --batch-size 16 --device "$DEVICE" \
   --workers "$WORKERS" --epochs "$QAT_EPOCHS" --iters "$QAT_ITERS" --calib-batches 10 \
   --project "$WORKDIR/runs/demo" --name qat --exist-ok
-QAT="$WORKDIR/runs/demo/qat/weights/qat_best_gelan-t-demo.pt"
+QAT="$WORKDIR/runs/demo/qat/weights/best_gelan-t-demo.pt"  # the delivered model: the best of PTQ and QAT on select
 step "export the Q/DQ ONNX for TensorRT, check it against PyTorch and measure it with ONNX Runtime"
 python3 export_qat.py --weights "$QAT" --include onnx --dynamic --simplify --imgsz "$IMGSZ" --batch-size 4 --verify \
   --data "$DATA" --exist-ok --json "$WORKDIR/runs/demo/export.json"
@@ -72,12 +72,15 @@ rows.append(f"| Q/DQ ONNX (ONNX Runtime) | {ort['ap']:.4f} | {ort['ap50']:.4f} |
             f"{ort['recall']:.4f} |")
 print(f"model: {model}\ndata:  {data} (100 val images)\n")
 print("\n".join(rows))
-q, p = report["quantizers"], export["parity"]
+q, p, cal = report["quantizers"], export["parity"], report["calibration"]
 print(f"\nquantizers: {q['distinct']} ({q['weight']} weight, {q['activation']} activation); calibration "
-      f"{report['timing']['calib_collect_s']}s + {report['timing']['calib_amax_s']}s; "
+      f"{cal['chosen']} (auto, on {report['select']['images']} held-out training images), "
+      f"{cal['seconds']['collect']}s + {cal['seconds']['ranges_and_evaluations']}s; "
       f"ONNX Runtime vs PyTorch on {p['images']} images: rel err {p['rel_err']['output0']:.1e}, "
       f"detections matched {p['detections_matched']:.0%}, lint problems {export['lint']['problems']}")
-print(f"\nQAT model: {report['qat_best_file']}\nONNX:      {export['onnx']}\nreport:    {runs / 'qat/report.json'}")
+final = report["final"]
+print(f"\nINT8 model: {final['file']} ({final['stage']}{' epoch ' + str(final['epoch']) if final['epoch'] else ''})"
+      f"\nONNX:       {export['onnx']}\nreport:     {runs / 'qat/report.json'}")
 print(f"demo: {seconds // 60} min {seconds % 60} s")
 if os.environ["RECORD"] == "1":
     sys.path.insert(0, str(repo))

@@ -26,8 +26,8 @@ def quantized_weights(demo_data, tmp_path_factory):
     """The trained demo gelan-t after PTQ (a real calibrated Q/DQ model)."""
     d = tmp_path_factory.mktemp("dep")
     r = run_cli("qat.py", "quantize", "--weights", TRAINED_T, "--data", demo_data, "--imgsz", IMGSZ, "--batch-size", 4,
-                "--device", "cpu", "--workers", 0, "--epochs", 0, "--calib-batches", 2, "--no-eval-origin",
-                "--no-eval-ptq", "--project", d, "--name", "p")
+                "--device", "cpu", "--workers", 0, "--epochs", 0, "--calib-batches", 2, "--calib-method", "mse",
+                "--no-eval-origin", "--no-eval-ptq", "--project", d, "--name", "p")
     assert r.returncode == 0, r.stderr[-2000:]
     return next((d / "p" / "weights").glob("ptq_*.pt"))
 

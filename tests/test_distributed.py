@@ -29,20 +29,20 @@ def _free_port() -> int:
 def _combine_in_two_processes(rank: int, port: int, chunks: list, out: str) -> None:
     import torch.distributed as dist
 
-    from models.distributed import World, combine_statistics, sharded
+    from models.distributed import World, combine_statistics
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     collector = HistogramCollector()
-    for x in sharded(chunks, [collector], World(rank, 2, rank)):
+    for x in chunks[rank::2]:
         collector.collect(x)
     combine_statistics([collector], World(rank, 2, rank))
-    np.savez(f"{out}/rank{rank}.npz", width=collector._width, hist=collector.hist.numpy())
+    np.savez(f"{out}/rank{rank}.npz", width=collector._width, hist=collector.hist.numpy(), max=collector.max)
     dist.destroy_process_group()
 
 
 def test_histograms_combined_across_ranks_equal_one_process(tmp_path):
-    """Rank 0 takes batches 0, 2, 4, rank 1 batches 1, 3 (both see batch 0 first, for the bin width; rank 1 does not
-    count it); the summed histograms equal one collector's over batches 0-4, bin for bin, including a batch whose
-    range outgrows the first (bins appended) and a far larger one (bins merged)."""
+    """Rank 0 takes batches 0, 2, 4, rank 1 batches 1, 3, each seeing other values first than one process does;
+    the combined histograms equal one collector's over batches 0-4, bin for bin, including a batch whose range
+    outgrows the others (bins merged) and ranks whose largest values differ."""
     g = torch.Generator().manual_seed(0)
     chunks = [torch.randn(4000, generator=g) * s for s in (1.0, 0.5, 3.0, 1.2, 20.0)]
     single = HistogramCollector()
@@ -53,10 +53,31 @@ def test_histograms_combined_across_ranks_equal_one_process(tmp_path):
                        start_method="spawn")  # fork would copy this process's OpenMP threads
     for rank in (0, 1):
         saved = np.load(tmp_path / f"rank{rank}.npz")
-        width, hist = float(saved["width"]), saved["hist"]
-        assert width == pytest.approx(single._width)
-        assert np.array_equal(hist[:single.hist.numel()], single.hist.numpy()) and hist[single.hist.numel():].sum() == 0
+        assert float(saved["width"]) == single._width and float(saved["max"]) == single.max
+        assert np.array_equal(saved["hist"], single.hist.numpy())
     assert single.hist.sum() == 5 * 4000
+
+
+def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data):
+    """Two ranks with 2 images each against one process with the global batch of 4, all seeded alike: each rank's
+    loader produces only its own 2 images a step (no rank loads another's), and the two shares of every step are
+    exactly the images of the one-process step, in order."""
+    from models.task import DETECT
+    from utils.batches import load_data, rank_loader, seeded_batches
+    data = load_data(demo_data)
+
+    def loader(batch_size):
+        made, _ = DETECT.dataloader(data["train"], IMGSZ, batch_size, 32, augment=False, workers=0, shuffle=True,
+                                    close_mosaic=True)
+        return made
+
+    steps = 5
+    one = [b.paths for b in seeded_batches(loader(4), torch.device("cpu"), steps, seed=7)]
+    ranks = [[b.paths for b in seeded_batches(rank_loader(loader(2), 2, r), torch.device("cpu"), steps, seed=7)]
+             for r in (0, 1)]
+    assert [sum(len(p) for p in shares) for shares in ranks] == [2 * steps, 2 * steps]  # each its share only
+    assert [r0 + r1 for r0, r1 in zip(*ranks)] == one
+    assert not set(ranks[0][0]) & set(ranks[1][0])
 
 
 def _torchrun(*args, cwd=CHECKOUT, timeout=900):
@@ -76,24 +97,27 @@ def _amax(weights):
             if q.amax is not None}
 
 
-@pytest.mark.parametrize("method", ["max", "mse"])
+@pytest.mark.parametrize("method", ["max", "mse", "entropy", "percentile"])
 def test_two_process_calibration_equals_one_process(method, gelan_t_weights, demo_data, tmp_path):
     """2 gloo ranks, global batch 4 (2 per rank) and 2 calibration batches, against one process calibrating on the
-    union of the same 4 batches of 2 (the same images, in the same order, the same first batch fixing the bin
-    width): the same amax for every quantizer, to float tolerance."""
+    same images in batches of 4 (other batches than either rank's: before the histograms were made independent of
+    batching, mse ranges differed by up to 2.1 %): every amax equal to 1e-4, the methods' own arithmetic being the
+    same on the same counts."""
     common = ["quantize", "--weights", gelan_t_weights, "--data", demo_data, *COMMON, "--calib-method", method,
               "--epochs", 0, "--no-eval-origin", "--no-eval-ptq", "--project", tmp_path]
     r = _torchrun(*common, "--batch-size", 4, "--calib-batches", 2, "--name", "two")
     assert r.returncode == 0, r.stderr[-3000:]
-    r = _qat(*common, "--batch-size", 2, "--calib-batches", 4, "--name", "one")
+    r = _qat(*common, "--batch-size", 4, "--calib-batches", 2, "--name", "one")
     assert r.returncode == 0, r.stderr[-3000:]
     reports = {k: json.loads((tmp_path / k / "report.json").read_text()) for k in ("one", "two")}
     assert reports["two"]["world_size"] == 2 and reports["one"]["world_size"] == 1
     assert reports["two"]["calibration_images"] == reports["one"]["calibration_images"]  # the same images
     two, one = (_amax(next((tmp_path / k / "weights").glob("ptq_*.pt"))) for k in ("two", "one"))
     assert two.keys() == one.keys() and len(one) > 100
+    worst = max(float(((two[n] - one[n]).abs() / one[n].abs().clamp_min(1e-12)).max()) for n in one)
+    print(f"{method}: largest relative amax difference, 2 processes vs 1: {worst:.2e}")
     for name in one:
-        assert torch.allclose(two[name], one[name], rtol=1e-5, atol=1e-7), (name, two[name], one[name])
+        assert torch.allclose(two[name], one[name], rtol=1e-4, atol=1e-7), (name, two[name], one[name])
 
 
 def test_two_process_qat_writes_one_report_and_resume_checks_the_world(gelan_t_weights, demo_data, tmp_path):

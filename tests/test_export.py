@@ -188,3 +188,44 @@ def test_deepstream_export(quantized_weights, tmp_path):
     assert (out[..., 2] >= out[..., 0]).all() and (out[..., 5] >= 0).all() and (out[..., 5] < 12).all()
     r = run_cli("export_yoloV9.py", "--weights", weights, "--dynamic", "--batch", 4)
     assert r.returncode != 0 and "--dynamic and --batch" in r.stderr
+
+
+def test_fp16_export_raises_near_dead_scales_and_keeps_the_map(demo_data320, tmp_path):
+    """A trained model (the demo gelan-t) with 16 output channels of one conv made near-dead (weights x 1e-3: their
+    per-channel ranges fall under 0.0078, scales under FP16's smallest normal number), PTQ, then the default FP16
+    export: the scales are raised with one warning that counts them, and the FP16 graph's mAP in ONNX Runtime is
+    the FP32 graph's (which needs no clamp) within 0.005, the gap FP16 activations alone give these graphs
+    (tests/test_deploy.py); the printed numbers are what the closing note reports."""
+    import json
+    from conftest import TRAINED_T, call_cli
+    from models.checkpoint import load_float_model
+    from utils.onnx_fp16 import FP16_MIN_NORMAL
+    model = load_float_model(TRAINED_T, torch.device("cpu"))
+    conv = model.model[2].cv1.conv
+    with torch.no_grad():
+        conv.weight[:16] *= 1e-3
+        if conv.bias is not None:
+            conv.bias[:16] *= 1e-3
+    assert float(conv.weight[:16].abs().amax()) < 127 * FP16_MIN_NORMAL
+    quantize_model(model)
+    import export_qat
+    calibrate(model, QuantRecipe(calib_method="percentile", percentile=99.999),
+              export_qat.verification_images(str(demo_data320), 320, 4, 2))
+    weights = save_checkpoint(model, tmp_path / "dead.pt")
+    maps = {}
+    for dtype in ("fp32", "fp16"):
+        w = tmp_path / f"{dtype}.pt"
+        w.write_bytes(weights.read_bytes())
+        r = call_cli("export_qat.py", "--weights", w, "--imgsz", 320, "--dynamic", "--dtype", dtype)
+        assert r.returncode == 0, r.stderr[-2000:]
+        warned = [line for line in r.stderr.splitlines() if "raised to it" in line]
+        assert len(warned) == (dtype == "fp16"), r.stderr[-2000:]
+        if warned:
+            assert "1 Q/DQ scale tensor(s) (16 value(s))" in warned[0]
+        r = call_cli("val_trt.py", "--onnx-file", w.with_suffix(".onnx"), "--data", demo_data320, "--imgsz", 320,
+                     "--batch-size", 4, "--workers", 0, "--project", tmp_path, "--name", dtype)
+        assert r.returncode == 0, r.stderr[-2000:]
+        maps[dtype] = json.loads((tmp_path / dtype / "val_trt.json").read_text())
+    print({k: (round(v["ap"], 5), round(v["ap50"], 5)) for k, v in maps.items()})
+    assert maps["fp32"]["ap50"] > 0.2  # a model that detects: the comparison is not between zeros
+    assert abs(maps["fp16"]["ap"] - maps["fp32"]["ap"]) <= 0.005

@@ -83,6 +83,41 @@ def test_head_loss_ignores_saturated_background_that_mse_punishes():
     assert head_object > 100 * head_background
 
 
+def test_a_step_has_the_loss_and_gradients_of_the_recipe_and_the_epoch_their_means(ptq_pair):
+    """FineTuner.step (losses kept on the device, no per-step host reads, phase marks) computes what the recipe's
+    loss and its backward give directly: the same total and the same gradient of every parameter (the same
+    arithmetic in the same order, so equal to float rounding); the epoch's reported means are the steps' means."""
+    from models.finetune import StepClock
+    model, teacher = ptq_pair
+    recipe, images, targets = RECIPES["default"], _images(2), _targets()
+    direct = copy.deepcopy(model).train()
+    with QATObjective(recipe, direct, teacher, _hyp()) as objective:
+        loss, parts = objective(images[0], targets)
+        loss.backward()
+    stepped = copy.deepcopy(model).train()
+    clock = StepClock(torch.device("cpu"))
+    with QATObjective(recipe, stepped, teacher, _hyp()) as objective:
+        tuner = FineTuner(objective, epochs=1, iters=2, amp=False, clock=clock)
+        clock.start()
+        out = tuner.step(images[0], targets, None)
+    assert float(out["loss"]) == pytest.approx(float(loss), rel=1e-6)
+    assert {k: float(v) for k, v in parts.items()} == pytest.approx({k: float(out[k]) for k in parts}, rel=1e-6)
+    grads = dict(direct.named_parameters())
+    for name, p in stepped.named_parameters():
+        if grads[name].grad is not None:
+            assert torch.allclose(p.grad, grads[name].grad, rtol=1e-5, atol=1e-8), name
+    assert {"teacher forward", "student forward", "losses", "backward (+ gradient all-reduce)",
+            "optimizer"} <= set(clock.seconds)
+    epoch_model = copy.deepcopy(model).train()
+    with QATObjective(recipe, epoch_model, teacher, _hyp()) as objective:
+        means = FineTuner(objective, epochs=1, iters=2, amp=False).epoch(((im, targets, None) for im in images), "")
+    steps_model = copy.deepcopy(model).train()
+    with QATObjective(recipe, steps_model, teacher, _hyp()) as objective:
+        tuner = FineTuner(objective, epochs=1, iters=2, amp=False)
+        steps = [tuner.step(im, targets, None) for im in images]
+    assert means["loss"] == pytest.approx(sum(float(s["loss"]) for s in steps) / 2, rel=1e-6)
+
+
 def test_objective_with_detection_loss_trains_the_quantized_model(ptq_pair):
     model, teacher = copy.deepcopy(ptq_pair[0]), ptq_pair[1]
     recipe = RECIPES["default"]

@@ -17,13 +17,14 @@ WEIGHTS = REPO / "assets" / "gelan-s-helmet.pt"
 def test_fp32_map_of_the_embedded_model_on_the_select_split(tmp_path):
     """Same weights (sha256), same images (split fingerprints), same loop: the same mAP. A float model has no
     rounding step to flip; only the convolutions' summation order differs between CPUs (or TF32 on a GPU, where
-    the entry may have been measured), which moves mAP50-95 over 224 images by far less than 0.003."""
+    the entry may have been measured), which moves mAP50-95 over the 187 select images by far less than 0.003."""
     if SHARED is None or not (SHARED / "datasets" / "helmet-416" / "data.yaml").is_file():
         pytest.skip("shared/datasets/helmet-416 not found (set YOLOV9_QAT_SHARED)")
     entry = json.loads(ENTRY.read_text())
     assert entry["provenance"]["weights_sha256"] == sha256(WEIGHTS)
     split = write_split(SHARED / "datasets" / "helmet-416" / "data.yaml", tmp_path / "split",
-                        entry["provenance"]["split"]["fraction"], entry["provenance"]["split"]["seed"])
+                        entry["provenance"]["split"]["fraction"], entry["provenance"]["split"]["seed"],
+                        entry["provenance"]["split"]["min_images"])
     import yaml
     assert yaml.safe_load(split.read_text())["split"]["fingerprint"] == entry["provenance"]["split"]["fingerprint"]
     r = run_cli("val_trt.py", "--weights", WEIGHTS, "--data", split, "--imgsz", entry["imgsz"], "--batch-size", 8,

@@ -29,24 +29,57 @@ def test_quantize_writes_models_report_and_table(quantize_run):
     names = sorted(p.name for p in weights.glob("*.pt"))
     assert any(n.startswith("ptq_ap_") and n.endswith("_gelan-t-demo.pt") for n in names), names
     assert any(n.startswith("qat_ep_1_ap_") for n in names), names
-    assert "qat_best_gelan-t-demo.pt" in names
+    assert {"qat_best_gelan-t-demo.pt", "best_gelan-t-demo.pt"} <= set(names)
     report = json.loads((save_dir / "report.json").read_text())
-    for key in ("origin", "ptq", "qat", "qat_best", "quantizers", "timing", "table"):
+    for key in ("origin", "ptq", "qat", "qat_best", "quantizers", "calibration", "select", "final", "val", "table"):
         assert key in report, key
-    for stage in ("origin", "ptq", "qat_best"):
+    for stage in ("origin", "ptq", "qat_best", "final"):
         assert set(report[stage]) >= {"ap", "ap50", "precision", "recall"}
+    assert set(report["val"]) == {"origin", "final"}
     assert report["quantizers"]["weight"] > 100 and report["quantizers"]["activation"] > 50
     assert len(report["qat"]) == 1 and report["qat"][0]["epoch"] == 1
     assert report["config"]["quant"]["calib_batches"] == 2 and len(report["calibration_images"]) == 2 * 4
     out = r.stdout + r.stderr
-    for row in ("Origin (PyTorch)", "PTQ (PyTorch INT8)", "QAT best (PyTorch INT8)"):
-        assert row in out
+    for row in ("Origin (PyTorch), select", "PTQ ", "QAT best epoch (PyTorch INT8), select", "Delivered, val"):
+        assert row in report["table"] and row in out
+    assert out.count("quantizers calibrated on 8 images") == 1  # one summary line, not one per quantizer
+    assert "HistogramCollector" not in out and "Load calibrated amax" not in out
     assert not list(save_dir.rglob("*.tmp"))
+
+
+def test_auto_keeps_the_best_candidate_and_best_of_never_ships_worse(quantize_run, demo_data320):
+    """`auto` (the default) measured all six candidate ranges on the select split and kept the best; the delivered
+    model is the best on select of the PTQ model and every QAT epoch; the select images were never calibrated or
+    fine-tuned on."""
+    save_dir, _ = quantize_run
+    report = json.loads((save_dir / "report.json").read_text())
+    cal = report["calibration"]
+    assert report["config"]["quant"]["calib_method"] == "auto"
+    assert list(cal["candidates"]) == ["max", "mse", "entropy", "percentile-99.9", "percentile-99.99",
+                                       "percentile-99.999"]
+    assert cal["chosen"] == max(cal["candidates"], key=cal["candidates"].get)
+    assert report["ptq"]["ap"] + report["ptq"].get("mask_ap", 0) == pytest.approx(cal["candidates"][cal["chosen"]])
+    assert len(set(cal["candidates"].values())) > 1  # the candidates really differ: the choice is not a tie
+    stages = [("ptq", 0, report["ptq"]["ap"])] + [("qat", e["epoch"], e["ap"]) for e in report["qat"]]
+    stage, epoch, ap = max(stages, key=lambda t: t[2])
+    final = report["final"]
+    assert (final["stage"], final["epoch"], final["ap"]) == (stage, epoch, ap) and final["ap"] >= report["ptq"]["ap"]
+    from models.checkpoint import read_checkpoint
+    assert read_checkpoint(final["file"])["stage"] == stage
+    # the select split: held out of the training images, disjoint from calibration, recorded with its fingerprint
+    select = {Path(f).name for f in (save_dir / "split" / "select.txt").read_text().split()}
+    fit = {Path(f).name for f in (save_dir / "split" / "fit.txt").read_text().split()}
+    train = {p.name for p in (demo_data320.parent / "images" / "train").iterdir()}
+    assert select and not select & fit and select | fit == train
+    assert not select & set(report["calibration_images"]) and set(report["calibration_images"]) <= fit
+    assert report["select"]["images"] == len(select) == 8 and report["select"]["source"] == "train"
+    assert len(report["select"]["fingerprint"]) == 32
 
 
 def test_best_checkpoint_reloads_on_cpu_and_eval_reproduces_the_report(quantize_run, demo_data320, tmp_path):
     save_dir, _ = quantize_run
-    best = save_dir / "weights" / "qat_best_gelan-t-demo.pt"
+    report = json.loads((save_dir / "report.json").read_text())
+    best = Path(report["final"]["file"])
     from models.checkpoint import load_quantized_model
     from models.quantize import is_quantized
     model = load_quantized_model(best, "cpu")
@@ -55,7 +88,7 @@ def test_best_checkpoint_reloads_on_cpu_and_eval_reproduces_the_report(quantize_
                 *TRAINED_RUN[4:], "--project", tmp_path, "--name", "ev")
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads((tmp_path / "ev" / "eval.json").read_text())
-    want = json.loads((save_dir / "report.json").read_text())["qat_best"]
+    want = report["val"]["final"]  # the delivered model, measured on val at the end of the run
     assert want["ap50"] > 0.1  # a trained model: the numbers compared are not zeros
     assert got["ap"] == pytest.approx(want["ap"], abs=1e-4)
     assert got["ap50"] == pytest.approx(want["ap50"], abs=1e-4)
@@ -64,7 +97,8 @@ def test_best_checkpoint_reloads_on_cpu_and_eval_reproduces_the_report(quantize_
 def test_existing_results_are_not_overwritten(quantize_run, gelan_t_weights, demo_data):
     save_dir, _ = quantize_run
     r = run_cli("qat.py", "quantize", "--weights", gelan_t_weights, "--data", demo_data, *COMMON, "--epochs", 0,
-                "--calib-batches", 1, "--no-eval-origin", "--no-eval-ptq", "--project", save_dir.parent,
+                "--calib-batches", 1, "--calib-method", "max", "--no-eval-origin", "--no-eval-ptq", "--project",
+                save_dir.parent,
                 "--name", "run")
     assert r.returncode == 0, r.stderr[-2000:]
     assert (save_dir.parent / "run2" / "report.json").is_file()  # a new folder, the first one untouched
@@ -89,7 +123,8 @@ def dual_weights(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["missing_weights", "missing_data", "training_weights", "eval_float",
-                                  "sensitive_quantized", "bad_regex", "bad_imgsz", "not_a_checkpoint"])
+                                  "sensitive_quantized", "bad_regex", "bad_imgsz", "not_a_checkpoint",
+                                  "missing_select_data", "bad_select_fraction"])
 def test_bad_input_is_one_clear_error(case, gelan_t_weights, demo_data, dual_weights, quantize_run, tmp_path):
     best = quantize_run[0] / "weights" / "qat_best_gelan-t-demo.pt"
     junk = tmp_path / "junk.pt"
@@ -106,6 +141,10 @@ def test_bad_input_is_one_clear_error(case, gelan_t_weights, demo_data, dual_wei
         "bad_regex": (["quantize", "--weights", gelan_t_weights, *base, "--skip-layers", "(oops"], "--skip-layers"),
         "bad_imgsz": (["quantize", "--weights", gelan_t_weights, "--data", demo_data, "--imgsz", 100], "--imgsz"),
         "not_a_checkpoint": (["quantize", "--weights", junk, *base], "junk.pt"),
+        "missing_select_data": (["quantize", "--weights", gelan_t_weights, *base, "--select-data", tmp_path / "s.yaml"],
+                                "--select-data"),
+        "bad_select_fraction": (["quantize", "--weights", gelan_t_weights, *base, "--select-fraction", 1.5],
+                                "--select-fraction"),
     }[case]
     r = call_cli("qat.py", *args)
     assert r.returncode != 0
@@ -149,12 +188,15 @@ def _wait_for(pattern_dir, glob, proc, timeout=600):
 def _summary(run_dir):
     report = json.loads((run_dir / "report.json").read_text())
     return (sorted(p.name for p in (run_dir / "weights").iterdir()),
-            [(e["epoch"], e["ap"], e["loss"]) for e in report["qat"]], report["qat_best"]["epoch"])
+            [(e["epoch"], e["ap"], e["loss"]) for e in report["qat"]], report["qat_best"]["epoch"],
+            report["select"], report["calibration"]["chosen"], report["calibration"]["candidates"],
+            {k: report["final"][k] for k in ("stage", "epoch", "ap")})
 
 
 def test_killed_run_resumes_to_the_same_result(gelan_t_weights, demo_data, tmp_path):
     """SIGKILL after the first QAT epoch, then --resume: the same files and numbers as an uninterrupted run
-    (each epoch's data order and augmentation are seeded by the epoch), no temp files left behind."""
+    (each epoch's data order and augmentation are seeded by the epoch), the same select split, calibration choice
+    and delivered model, no temp files left behind."""
     import signal
     args = ["quantize", "--weights", gelan_t_weights, "--data", demo_data, *TINY, "--project", tmp_path]
     full = run_cli("qat.py", *args, "--name", "full")
@@ -177,7 +219,8 @@ def test_killed_run_resumes_to_the_same_result(gelan_t_weights, demo_data, tmp_p
 def test_ctrl_c_says_how_to_resume(gelan_t_weights, demo_data, tmp_path):
     import signal
     # long enough a QAT stage (minutes) that the signal lands inside it, whatever the machine's speed
-    args = [*COMMON, "--epochs", 50, "--iters", 100, "--calib-batches", 1, "--num-image", 4, "--no-eval-origin"]
+    args = [*COMMON, "--epochs", 50, "--iters", 100, "--calib-batches", 1, "--calib-method", "max", "--num-image", 4,
+            "--no-eval-origin"]
     proc = _popen("quantize", "--weights", gelan_t_weights, "--data", demo_data, *args, "--project", tmp_path,
                   "--name", "x")
     _wait_for(tmp_path / "x" / "weights", "ptq_*.pt", proc)

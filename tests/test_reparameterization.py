@@ -102,7 +102,7 @@ def test_converted_weights_go_through_qat(yolov9_t_weights, demo_data, tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     r = run_cli("qat.py", "quantize", "--weights", out, "--data", demo_data, "--imgsz", IMGSZ, "--batch-size", 4,
                 "--device", "cpu", "--workers", 0, "--epochs", 1, "--iters", 1, "--calib-batches", 1,
-                "--no-eval-origin", "--num-image", 4, "--project", tmp_path, "--name", "q")
+                "--calib-method", "max", "--no-eval-origin", "--num-image", 4, "--project", tmp_path, "--name", "q")
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "q" / "weights" / "qat_best_yolov9-t-converted.pt").is_file()
 

@@ -129,9 +129,10 @@ def test_patch_with_a_relative_target_from_another_folder(tmp_path):
 
 
 def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights, demo_data, tmp_path):
-    """The accuracy benchmark's whole path at tiny size: the select split, PTQ per method and seed, the choice on
-    select, QAT and its float control per seed, the deployed graphs in ONNX Runtime, an entry with provenance and
-    every per-seed number; a second run reruns nothing, and the rendered tables pass --check."""
+    """The accuracy benchmark's whole path at tiny size: the select split (the one qat.py carves itself), PTQ per
+    method and seed, the choice on select, the default command (auto, QAT, best-of) and its float control per
+    seed, the deployed graphs in ONNX Runtime, an entry with provenance and every per-seed number; a second run
+    reruns nothing, the rendered tables pass --check, and nothing is written outside --work and --out."""
     import importlib.util
     out, work = tmp_path / "results", tmp_path / "work"
     modelopt = importlib.util.find_spec("modelopt") is not None
@@ -162,11 +163,19 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights
     assert set(e["ort"]) == {"fp32", "fp16"} and e["ort"]["fp32"]["0"]["lint"]["unshared_joins"] == 0
     s = e["summary"]
     assert s["qat_best"]["values"] == [e["qat"][k]["val_best"]["ap"] for k in ("0", "1")]
-    assert s["quantization_cost"]["delta"] == pytest.approx(s["qat_best"]["mean"] - s["fp_ft_best"]["mean"], abs=1e-5)
+    assert s["quantization_cost"]["delta"] == pytest.approx(s["final"]["mean"] - s["fp_ft_best"]["mean"], abs=1e-5)
+    for k, r in e["qat"].items():  # the default command: auto chose its best candidate, delivered its best stage
+        assert r["auto"]["chosen"] == max(r["auto"]["candidates"], key=r["auto"]["candidates"].get)
+        report = json.loads((work / "demo" / "gelan-t" / f"qat-seed{k}" / "report.json").read_text())
+        assert report["select"]["fingerprint"] == split["split"]["fingerprint"]["select"]
+        stages = [report["ptq"]["ap"]] + [ep["ap"] for ep in report["qat"]]
+        assert report["final"]["ap"] == max(stages)
+        assert r["val_final"] == (r["auto"]["val"] if r["final"]["stage"] == "ptq" else r["val_best"])
     if modelopt:  # the peer calibrated on the very images ours did, and its joins are counted by our lint
         assert e["modelopt"]["max"]["1"]["calibration_sample"] == e["ptq"][e["ptq_choice"]]["1"]["calibration_sample"]
         assert e["modelopt"]["max"]["0"]["lint"]["unshared_joins"] > 0 == e["ours_lint"]["unshared_joins"]
-    assert "best_file" not in json.dumps(e) and "calibration_images" not in json.dumps(e)  # no machine-local paths
+    assert "final_file" not in json.dumps(e) and "calibration_images" not in json.dumps(e)  # no machine-local paths
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results", "work"]  # nothing beside --out and --work
     again = call_cli("scripts/benchmark_accuracy.py", *args)
     assert again.returncode == 0
     assert not [line for line in again.stdout.splitlines() if line.startswith("+ ")]  # no step ran again
@@ -201,6 +210,6 @@ def test_benchmark_folders_are_named_by_what_decides_their_numbers():
 def test_published_results_are_what_their_json_renders_to():
     """README.md, docs/RESULTS.md and results/accuracy.md hold the tables the results JSON renders to: nothing
     edited by hand (CI runs this check)."""
-    r = subprocess.run([sys.executable, "scripts/benchmark_accuracy.py", "--render", "--check"], cwd=REPO,
+    r = subprocess.run([sys.executable, "scripts/benchmark_accuracy.py", "--render", "--check", "--docs"], cwd=REPO,
                        text=True, capture_output=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

@@ -20,8 +20,9 @@ COMMON = ["--imgsz", SIZE, "--batch-size", 4, "--device", "cpu", "--workers", 0]
 @pytest.fixture(scope="module")
 def seg_run(seg_data, tmp_path_factory):
     project = tmp_path_factory.mktemp("seg")
+    # 8 training images: all of them calibrate and fine-tune, the choices are made on the val images (--select-data)
     r = run_cli("qat.py", "quantize", "--weights", TRAINED_SEG, "--data", seg_data, *COMMON, "--epochs", 1,
-                "--iters", 2, "--calib-batches", 2, "--project", project, "--name", "run")
+                "--iters", 2, "--calib-batches", 2, "--select-data", seg_data, "--project", project, "--name", "run")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return project / "run", r
 
@@ -36,6 +37,10 @@ def test_quantize_reports_box_and_mask_metrics(seg_run):
     # the QAT step distilled the masks and trained on upstream's segmentation loss
     assert {"distill", "distill_mask", "det"} <= set(report["qat"][0])
     assert "Mask AP" in r.stdout + r.stderr
+    cal = report["calibration"]  # auto chose by box + mask mAP50-95 on the select images
+    assert cal["chosen"] == max(cal["candidates"], key=cal["candidates"].get) and report["select"]["source"] == \
+        "select-data"
+    assert cal["candidates"][cal["chosen"]] == pytest.approx(report["ptq"]["ap"] + report["ptq"]["mask_ap"], abs=1e-5)
 
 
 def test_segmentation_head_is_quantized_under_the_sharing_rules(seg_run):
@@ -171,7 +176,7 @@ def test_real_photographs_with_polygons_run_end_to_end(checkout, tmp_path):
     weights = save_float_checkpoint(model, tmp_path / "gelan-t-seg-coco.pt")
     r = run_cli("qat.py", "quantize", "--weights", weights, "--data", tmp_path / "data.yaml", "--imgsz", 160,
                 "--batch-size", 8, "--device", "cpu", "--workers", 0, "--epochs", 1, "--iters", 1, "--calib-batches", 1,
-                "--num-image", 16, "--project", tmp_path, "--name", "coco")
+                "--calib-method", "max", "--num-image", 16, "--project", tmp_path, "--name", "coco")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "coco" / "report.json").read_text())
     # an untrained student equals its teacher up to the INT8 step, so the distillation terms round to 0 in the report;

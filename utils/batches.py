@@ -40,6 +40,41 @@ def cycle(loader, n: int) -> Iterator:
             yield next(it)
 
 
+class RankBatches(torch.utils.data.Sampler):
+    """This rank's share of every batch of one seeded order: the order is drawn from `generator` as a shuffling
+    loader draws it, cut into global batches of `per_rank * world_size` images, and rank r takes images
+    [r * per_rank, (r + 1) * per_rank) of each. The ranks of one step together hold exactly the images of one
+    process's step with the global batch, and no rank loads, augments or copies another rank's images. Only whole
+    global batches: every rank takes the same number of steps."""
+
+    def __init__(self, n_images: int, per_rank: int, world_size: int, rank: int, generator: torch.Generator):
+        if n_images < per_rank * world_size:
+            raise ValueError(f"{n_images} training images are fewer than one global batch of {per_rank * world_size}: "
+                             "lower --batch-size")
+        self.n, self.per_rank, self.size, self.rank, self.generator = n_images, per_rank, world_size, rank, generator
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = torch.randperm(self.n, generator=self.generator).tolist()
+        step = self.per_rank * self.size
+        for start in range(0, self.n - step + 1, step):
+            first = start + self.rank * self.per_rank
+            yield order[first:first + self.per_rank]
+
+    def __len__(self) -> int:
+        return self.n // (self.per_rank * self.size)
+
+
+def rank_loader(loader, world_size: int, rank: int):
+    """`loader` (upstream's, shuffling, of this rank's batch size) loading only this rank's share of each global
+    batch (`RankBatches`); the loader itself in one process."""
+    if world_size == 1:
+        return loader
+    sampler = RankBatches(len(loader.dataset), loader.batch_size, world_size, rank, loader.generator)
+    return torch.utils.data.DataLoader(loader.dataset, batch_sampler=sampler, num_workers=loader.num_workers,
+                                       pin_memory=loader.pin_memory, collate_fn=loader.collate_fn,
+                                       worker_init_fn=loader.worker_init_fn, generator=loader.generator)
+
+
 class Batch(NamedTuple):
     images: torch.Tensor            # float 0-1 on the device
     targets: torch.Tensor           # upstream's [image, class, x, y, w, h]

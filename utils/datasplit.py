@@ -1,11 +1,12 @@
 """A selection split carved from the training images, and dataset fingerprints.
 
-Every choice a benchmark makes (calibration method, best QAT epoch, recipe, the peer's method) is made on a
-`select` split: a fixed, seeded fraction of the training images that calibration, QAT and float training never
-see. The reported val split is only measured. Membership depends on the file names and the seed alone (a hash
-rank), so every machine carves the same split from the same folder, whatever its listing order.
+Every choice `qat.py quantize` and the benchmark make (calibration method, delivered model, recipe, the peer's
+method) is made on a `select` split: a fixed, seeded share of the training images that calibration, QAT and
+float training never see. The reported val split is only measured. Membership depends on the file names and the
+seed alone (a hash rank), so every machine carves the same split from the same folder, whatever its listing
+order, and a smaller share of the same images is a subset of a larger one.
 
-    python -m utils.datasplit DATA.yaml --out DIR [--fraction 0.12] [--seed 0]
+    python -m utils.datasplit DATA.yaml --out DIR [--fraction 0.1] [--min-images 100] [--seed 0]
 
 writes DIR/fit.txt and DIR/select.txt (absolute image paths) and DIR/split.yaml: `train` = fit, `val` = select,
 `test` = the original val, plus the fingerprints of the three (md5 over names, image bytes and label bytes).
@@ -22,7 +23,8 @@ from pathlib import Path
 import yaml
 
 IMAGE_SUFFIXES = {".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp", ".pfm"}
-DEFAULT_FRACTION = 0.12
+DEFAULT_FRACTION = 0.1
+DEFAULT_MIN_IMAGES = 100
 DEFAULT_SEED = 0
 
 
@@ -77,14 +79,21 @@ def label_file(image: Path) -> Path:
     return Path(f"{os.sep}labels{os.sep}".join(parts)).with_suffix(".txt")
 
 
-def carve(images: list[Path], fraction: float = DEFAULT_FRACTION, seed: int = DEFAULT_SEED) -> Split:
-    """`fraction` of `images` (rounded, at least one) into `select`, chosen by a seeded hash of each file name."""
+def select_count(n_images: int, fraction: float = DEFAULT_FRACTION, min_images: int = DEFAULT_MIN_IMAGES) -> int:
+    """How many of `n_images` training images are held out: the fraction (rounded, at least one), raised to
+    `min_images` as long as at least half of the images remain for calibration and fine-tuning."""
+    return max(1, round(fraction * n_images), min(min_images, n_images // 2))
+
+
+def carve(images: list[Path], fraction: float = DEFAULT_FRACTION, seed: int = DEFAULT_SEED,
+          min_images: int = DEFAULT_MIN_IMAGES) -> Split:
+    """`select_count` of `images` into `select`, chosen by a seeded hash of each file name."""
     if not 0 < fraction < 1:
         raise ValueError(f"--fraction {fraction}: must be between 0 and 1")
     if len(images) < 2:
         raise ValueError(f"{len(images)} training image(s): too few to carve a selection split from")
     rank = sorted(images, key=lambda f: hashlib.sha256(f"{seed}:{f.name}".encode()).hexdigest())
-    n = max(1, round(fraction * len(images)))
+    n = select_count(len(images), fraction, min_images)
     select = set(rank[:n])
     return Split(fit=tuple(f for f in images if f not in select), select=tuple(sorted(select)))
 
@@ -101,26 +110,27 @@ def fingerprint(images: list[Path] | tuple[Path, ...]) -> str:
 
 
 def write_split(data: str | Path, out: str | Path, fraction: float = DEFAULT_FRACTION,
-                seed: int = DEFAULT_SEED) -> Path:
+                seed: int = DEFAULT_SEED, min_images: int = DEFAULT_MIN_IMAGES) -> Path:
     """Write OUT/fit.txt, OUT/select.txt and OUT/split.yaml (see the module doc); returns the yaml's path.
     Idempotent: an existing split of the same data, fraction and seed is kept, any other is refused."""
     d = read_data_yaml(data)
     train, val = image_files(d["train"]), image_files(d["val"])
     if set(train) & set(val):
         raise ValueError(f"--data {data}: train and val share images; a selection split needs a separate val")
-    split = carve(train, fraction, seed)
+    split = carve(train, fraction, seed, min_images)
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     fp = {"fit": fingerprint(split.fit), "select": fingerprint(split.select), "val": fingerprint(val)}
     spec = {"path": str(out), "train": str(out / "fit.txt"), "val": str(out / "select.txt"), "test": d["val"],
             "nc": d.get("nc", len(d["names"])), "names": d["names"],
-            "split": {"source": str(Path(data).resolve()), "fraction": fraction, "seed": seed,
+            "split": {"source": str(Path(data).resolve()), "fraction": fraction, "min_images": min_images, "seed": seed,
                       "images": {"fit": len(split.fit), "select": len(split.select), "val": len(val)},
                       "fingerprint": fp}}
     yaml_file = out / "split.yaml"
     if yaml_file.is_file():
         old = yaml.safe_load(yaml_file.read_text()).get("split", {})
-        if old.get("fingerprint") == fp and old.get("fraction") == fraction and old.get("seed") == seed:
+        if old.get("fingerprint") == fp and (old.get("fraction"), old.get("min_images"), old.get("seed")) == \
+                (fraction, min_images, seed):
             return yaml_file
         raise FileExistsError(f"{yaml_file} holds another split (fraction {old.get('fraction')}, seed "
                               f"{old.get('seed')}); choose another --out")
@@ -136,6 +146,8 @@ def parse_opt(argv=None):
     p.add_argument("data", help="dataset.yaml with train and val")
     p.add_argument("--out", required=True, help="folder for fit.txt, select.txt and split.yaml")
     p.add_argument("--fraction", type=float, default=DEFAULT_FRACTION, help="share of the training images held out")
+    p.add_argument("--min-images", type=int, default=DEFAULT_MIN_IMAGES,
+                   help="hold out at least this many while half of the training images remain")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     return p.parse_args(argv)
 
@@ -143,7 +155,7 @@ def parse_opt(argv=None):
 def main(argv=None) -> int:
     opt = parse_opt(argv)
     try:
-        path = write_split(opt.data, opt.out, opt.fraction, opt.seed)
+        path = write_split(opt.data, opt.out, opt.fraction, opt.seed, opt.min_images)
     except (OSError, ValueError) as e:
         print(f"datasplit: error: {e}", file=sys.stderr)
         return 2

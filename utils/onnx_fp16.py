@@ -28,23 +28,30 @@ def float32_only_inputs(graph: onnx.GraphProto) -> set[str]:
 FP16_MIN_NORMAL = float(np.finfo(np.float16).tiny)  # 6.1e-05: below it FP16 loses precision, then turns to 0
 
 
-def check_scales(graph: onnx.GraphProto) -> None:
-    """Refuse Q/DQ scales that FP16 cannot hold as normal numbers: a subnormal scale loses its precision and a
-    zero one makes QuantizeLinear divide by zero."""
-    from utils.onnx_utils import constant_values
-    values = constant_values(graph)
-    low = []
-    for node in graph.node:
-        if node.op_type in ("QuantizeLinear", "DequantizeLinear") and node.input[1] in values:
-            scale = np.asarray(values[node.input[1]], dtype=np.float64)
-            if (scale < FP16_MIN_NORMAL).any():
-                low.append((float(scale.min()), node.name or node.output[0]))
-    if low:
-        smallest, name = min(low)
-        raise ValueError(f"{len(low)} Q/DQ node(s) have scales below FP16's smallest normal number "
-                         f"{FP16_MIN_NORMAL:.3g} (smallest {smallest:.3g}, at {name}): in an FP16 graph they would "
-                         "turn subnormal or zero. Export with --dtype fp32 (TensorRT 10 weakly typed build), or check "
-                         "that quantizer's calibration (a range under 0.008)")
+def clamp_scales(graph: onnx.GraphProto) -> dict:
+    """Raise Q/DQ scales under FP16's smallest normal number to it, in place (in FP16 they would turn subnormal,
+    losing their precision, or zero, and QuantizeLinear would divide by zero). Such a quantizer has a range under
+    127 * 6.1e-5 = 0.0078 (a dead channel, a near-silent layer): with the raised scale every value it passes
+    still lies inside its range, and a dequantized value moves by at most (old + new scale) / 2 < 6.1e-5, FP16's
+    own spacing at 0.06. Refused: a scale that is zero, negative or not finite, which no clamp makes meaningful.
+    Returns the count of scale tensors and values raised and the largest change to a dequantized value."""
+    scales = {node.input[1] for node in graph.node if node.op_type in ("QuantizeLinear", "DequantizeLinear")}
+    tensors = [t for t in graph.initializer if t.name in scales]
+    tensors += [attr.t for node in graph.node if node.op_type == "Constant" and node.output[0] in scales
+                for attr in node.attribute if attr.name == "value"]
+    tensors_raised, values_raised, largest_change = 0, 0, 0.0
+    for t in tensors:
+        scale = numpy_helper.to_array(t)
+        bad = ~np.isfinite(scale) | (scale <= 0)
+        if bad.any():
+            raise ValueError(f"Q/DQ scale {t.name} holds {int(bad.sum())} value(s) that are zero, negative or not "
+                             f"finite ({scale[bad].reshape(-1)[0]}): check that quantizer's calibration")
+        low = scale < FP16_MIN_NORMAL
+        if low.any():
+            tensors_raised, values_raised = tensors_raised + 1, values_raised + int(low.sum())
+            largest_change = max(largest_change, float((scale[low].max() + FP16_MIN_NORMAL) / 2))
+            t.CopyFrom(numpy_helper.from_array(np.where(low, FP16_MIN_NORMAL, scale).astype(scale.dtype), t.name))
+    return {"scales": tensors_raised, "values": values_raised, "largest_change": largest_change}
 
 
 def _fp16_tensor(t: TensorProto) -> TensorProto:
@@ -60,9 +67,14 @@ def to_fp16(model: onnx.ModelProto, io_dtype: str = "fp32") -> onnx.ModelProto:
         raise ValueError(f"--io-dtype must be fp32 or fp16, got {io_dtype!r}")
     if any(o.domain in ("", "ai.onnx") and o.version < FP16_OPSET for o in model.opset_import):
         raise ValueError(f"FP16 Q/DQ scales need opset >= {FP16_OPSET}: export the graph at that opset")
-    check_scales(model.graph)
     model = onnx.ModelProto.FromString(model.SerializeToString())
     graph = model.graph
+    raised = clamp_scales(graph)
+    if raised["scales"]:
+        from utils.general import LOGGER
+        LOGGER.warning(f"FP16 graph: {raised['scales']} Q/DQ scale tensor(s) ({raised['values']} value(s)) under "
+                       f"FP16's smallest normal number {FP16_MIN_NORMAL:.3g} raised to it (ranges under 0.0078); a "
+                       f"dequantized value moves by at most {raised['largest_change']:.3g}")
     keep = float32_only_inputs(graph)
     for i, t in enumerate(graph.initializer):
         if t.data_type == TensorProto.FLOAT and t.name not in keep:

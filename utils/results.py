@@ -1,7 +1,9 @@
 """Numbers over seeds, the noise rule, and Markdown blocks rendered from results JSON.
 
 A difference is only called a difference where it exceeds the noise: "A > B" where mean(A) - mean(B) is larger
-than the larger of the two seed-to-seed standard deviations, else "within noise". Tables in README.md and
+than the larger of the two seed-to-seed standard deviations, else "within noise". A side that varies with the
+seed needs at least two seeds for that: with one, there is no noise estimate and no verdict. A fixed value (the
+float model's mAP, which no seed changes) is exact with one. Tables in README.md and
 docs/RESULTS.md live between `<!-- results:NAME -->` and `<!-- /results:NAME -->` markers and are rewritten
 from the JSON, never by hand.
 """
@@ -13,18 +15,21 @@ import statistics
 from pathlib import Path
 
 
-def spread(values: list[float]) -> dict:
-    """Mean, sample standard deviation (0 for a single value) and the values themselves."""
+def spread(values: list[float], fixed: bool = False) -> dict:
+    """Mean, sample standard deviation (0 for a single value) and the values themselves; `fixed`: a value no seed
+    changes (one is exact)."""
     values = [float(v) for v in values]
     return {"mean": round(statistics.fmean(values), 5), "std": round(statistics.stdev(values), 5) if len(values) > 1
-            else 0.0, "n": len(values), "values": [round(v, 5) for v in values]}
+            else 0.0, "n": len(values), "values": [round(v, 5) for v in values], **({"fixed": True} if fixed else {})}
 
 
 def difference(a: dict, b: dict) -> dict:
     """a - b of two spreads: the difference of the means, the larger std (the noise it is judged against) and the
-    verdict."""
+    verdict; no verdict where a side that varies with the seed has fewer than two values."""
     delta = a["mean"] - b["mean"]
     noise = max(a["std"], b["std"])
+    if any(side["n"] < 2 and not side.get("fixed") for side in (a, b)):
+        return {"delta": round(delta, 5), "noise": None, "verdict": "no noise estimate (one seed)"}
     verdict = "within noise" if abs(delta) <= noise else ("higher" if delta > 0 else "lower")
     return {"delta": round(delta, 5), "noise": round(noise, 5), "verdict": verdict}
 
@@ -40,7 +45,7 @@ def fmt(s: dict | None, digits: int = 4) -> str:
 
 def fmt_difference(d: dict) -> str:
     sign = f"{d['delta']:+.4f}"
-    return f"{sign} ({d['verdict']}, noise {d['noise']:.4f})"
+    return f"{sign} ({d['verdict']})" if d["noise"] is None else f"{sign} ({d['verdict']}, noise {d['noise']:.4f})"
 
 
 def _markers(name: str) -> tuple[str, str]:

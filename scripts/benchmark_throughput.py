@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""QAT training throughput and where a step's time goes, in one process or several (torchrun), on the real data
+path of `qat.py quantize` (upstream's augmenting loader, this rank's share of each global batch) and its real
+step (models/finetune.py FineTuner), for QAT and its float control.
+
+    python scripts/benchmark_throughput.py --cfg models/detect/gelan-c.yaml --data D.yaml --batch-size 32
+    torchrun --standalone --nproc_per_node 2 scripts/benchmark_throughput.py ... --device 0,1
+
+Run from the patched YOLOv9 checkout. Weights are random (throughput does not depend on what a model learned);
+calibration uses max on a few batches. For each arm: `--warmup` untimed steps, then `--steps` timed steps
+(images/s over them, the device synchronized at both ends only), then `--breakdown-steps` steps with the device
+synchronized at every phase boundary (models/finetune.py StepClock: the seconds per phase, which add up to more
+than a free-running step). Rank 0 writes OUT/<model>.json (results/scaling/ by default), keeping the entries of
+other world sizes and batches; `speedup` is this run's throughput over the 1-process run's of the same model,
+image size and global batch, where that one is recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path.cwd()))
+
+import torch  # noqa: E402
+
+from utils.io_utils import write_json  # noqa: E402
+from utils.provenance import command_line, machine, overlay_repo, toolkit_commit  # noqa: E402
+
+
+def parse_opt(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cfg", default="models/detect/gelan-c.yaml")
+    p.add_argument("--data", required=True, help="dataset.yaml (its training images feed the loader)")
+    p.add_argument("--batch-size", type=int, default=32, help="global batch")
+    p.add_argument("--imgsz", type=int, default=640)
+    p.add_argument("--workers", type=int, default=8, help="dataloader workers per process")
+    p.add_argument("--device", default="0")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--breakdown-steps", type=int, default=20)
+    p.add_argument("--hyp", default="data/hyps/hyp.scratch-high.yaml")
+    p.add_argument("--out", type=Path, default=overlay_repo() / "results" / "scaling")
+    return p.parse_args(argv)
+
+
+def arm_result(tuner, loader, device, opt) -> dict:
+    """Images/s over the timed steps, then the per-phase breakdown (per step, seconds)."""
+    from models.finetune import StepClock
+    from utils.batches import seeded_batches
+
+    def run(n: int, seed: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        tuner.epoch(seeded_batches(loader, device, n, seed), "")
+        sync()
+        return time.perf_counter() - t0
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    run(opt.warmup, 1)
+    seconds = run(opt.steps, 2)
+    tuner.clock = StepClock(device)
+    run(opt.breakdown_steps, 3)
+    phases = {k: round(v / opt.breakdown_steps, 5) for k, v in tuner.clock.seconds.items()}
+    tuner.clock = StepClock(None, enabled=False)
+    return {"step_s": round(seconds / opt.steps, 5), "images_per_s": round(opt.steps * opt.batch_size / seconds, 1),
+            "breakdown_s_per_step": phases, "breakdown_total_s": round(sum(phases.values()), 5)}
+
+
+def main(argv=None) -> int:
+    opt = parse_opt(argv)
+    from models.distributed import data_parallel, init, shutdown_after, world_from_env
+    from models.finetune import RECIPES, FineTuner, QATObjective
+    from models.pipeline import RunConfig, train_loader
+    from models.quantize import QuantRecipe, calibrate, copy_float, named_quantizers, quantize_model
+    from models.task import task_of
+    from models.yolo import Model
+    from utils.batches import load_data, load_hyp, seeded_batches
+    from utils.torch_utils import select_device
+    world = world_from_env()
+    if opt.batch_size % world.size:
+        print(f"benchmark_throughput: error: --batch-size {opt.batch_size} must divide by {world.size}", file=sys.stderr)
+        return 2
+    device = select_device(opt.device)
+    if world.distributed and device.type == "cuda":
+        device = torch.device("cuda", world.local_rank)
+    init(world, device)
+    with shutdown_after(world):
+        data, hyp = load_data(opt.data), load_hyp(opt.hyp)
+        torch.manual_seed(0)
+        model = Model(opt.cfg, nc=int(data["nc"])).to(device).eval()
+        model.fuse()
+        teacher = copy_float(model)
+        task = task_of(model)
+        cfg = replace(RunConfig(weights="", data=opt.data, hyp=opt.hyp), imgsz=opt.imgsz, batch_size=opt.batch_size,
+                      workers=opt.workers)
+        loader = train_loader(task, data, cfg, hyp, augment=True, world=world)
+        calib = [b.images for b in seeded_batches(train_loader(task, data, cfg, hyp, augment=False, world=world),
+                                                  device, 2, 0)]
+        results = {}
+        for arm in ("qat", "control"):
+            student = quantize_model(copy.deepcopy(model), QuantRecipe(calib_method="max"))  # fresh parameters
+            calibrate(student, QuantRecipe(calib_method="max"), calib, world)
+            if arm == "control":
+                for _, q in named_quantizers(student):
+                    q.disable()
+            student.train()
+            with QATObjective(RECIPES["default"], student, teacher, hyp,
+                              data_parallel(student, world, device)) as objective:
+                tuner = FineTuner(objective, 1, opt.warmup + opt.steps + opt.breakdown_steps,
+                                  amp=device.type == "cuda")
+                results[arm] = arm_result(tuner, loader, device, opt)
+            world.barrier()
+        if world.main:
+            write(opt, results, world.size)
+    return 0
+
+
+def write(opt, results: dict, world_size: int) -> None:
+    name = Path(opt.cfg).stem
+    path = opt.out / f"{name}.json"
+    old = json.loads(path.read_text()) if path.is_file() else {"model": name, "runs": []}
+    key = {"world_size": world_size, "global_batch": opt.batch_size, "imgsz": opt.imgsz}
+    runs = [r for r in old["runs"] if {k: r[k] for k in key} != key]
+    run = {**key, "per_gpu_batch": opt.batch_size // world_size, "workers_per_process": opt.workers,
+           "steps": opt.steps, "breakdown_steps": opt.breakdown_steps, **results,
+           "qat_over_control_step": round(results["qat"]["step_s"] / results["control"]["step_s"], 3),
+           "commit": toolkit_commit(), "command": command_line(), "machine": machine()}
+    single = next((r for r in runs if r["world_size"] == 1 and r["global_batch"] == opt.batch_size
+                   and r["imgsz"] == opt.imgsz), None)
+    if world_size > 1 and single is not None:
+        run["speedup"] = round(results["qat"]["images_per_s"] / single["qat"]["images_per_s"], 3)
+    runs.append(run)
+    write_json(path, {"model": name, "runs": sorted(runs, key=lambda r: (r["imgsz"], r["global_batch"],
+                                                                          r["world_size"]))})
+    for arm in ("qat", "control"):
+        r = results[arm]
+        phases = ", ".join(f"{k} {v * 1000:.1f}" for k, v in r["breakdown_s_per_step"].items())
+        print(f"{name} {arm}: {world_size} process(es), global batch {opt.batch_size} at {opt.imgsz}: "
+              f"{r['images_per_s']} img/s ({r['step_s'] * 1000:.1f} ms/step); ms/step by phase: {phases}")
+    print(f"QAT step / control step: {run['qat_over_control_step']}" +
+          (f"; speedup over 1 process: {run['speedup']}" if "speedup" in run else "") + f"; {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
