@@ -132,18 +132,19 @@ def _candidate_rows(n: int, start_bin: int, stride: int, inclusive: bool) -> tor
 
 def amax_mse(hist: torch.Tensor, edges: torch.Tensor, num_bits: int = 8, unsigned: bool = False,
              stride: int = 1, start_bin: int = 128) -> torch.Tensor:
-    """Bin centre that, used as amax, minimises the histogram-weighted quantization MSE."""
+    """Bin centre that, used as amax, minimises the histogram-weighted quantization MSE (summed over the occupied
+    bins only: empty ones add nothing)."""
     device = hist.device
-    counts = hist.double()
     centers = ((edges[1:] + edges[:-1]) / 2).double().to(device)
     max_bound = 2.0 ** (num_bits - 1 + int(unsigned)) - 1.0
     candidates = _candidate_rows(centers.numel(), start_bin, stride, inclusive=False).to(device)
+    occupied = hist != 0
+    counts, values = hist.double()[occupied], centers[occupied]
     best_mse, best_idx = math.inf, int(candidates[0])
     for rows in candidates.split(_ROWS_PER_CHUNK):
-        amax = centers[rows].unsqueeze(1)
-        scale = max_bound / amax
-        quant = torch.clamp(torch.round(centers * scale), -max_bound, max_bound) / scale
-        mse = ((quant - centers) ** 2 * counts).mean(1)
+        scale = max_bound / centers[rows].unsqueeze(1)
+        quant = torch.clamp(torch.round(values * scale), -max_bound, max_bound) / scale
+        mse = ((quant - values) ** 2 * counts).sum(1)
         i = int(torch.argmin(mse))  # first minimum, as numpy's argmin
         if float(mse[i]) < best_mse:
             best_mse, best_idx = float(mse[i]), int(rows[i])
@@ -157,38 +158,35 @@ def amax_entropy(hist: torch.Tensor, edges: torch.Tensor, num_bits: int = 8, uns
     For a candidate of i bins, bins [0, i) are merged into `nbins` groups (bin j -> group 128*j // i),
     each non-empty bin takes its group's mean, and the tail beyond i is folded into bin i-1 of the
     reference distribution. The last minimum wins, as in pytorch-quantization.
+
+    The divergence of a candidate is computed from prefix sums and its `nbins` groups instead of bin by bin: the
+    reference sums to the total count T and the quantized one to the count below i (Q), so with b' the counts with
+    the tail folded in and m_g a group's mean, KL = (sum b' log b' - sum_g S_g log m_g - tail log m_last) / T
+    + log(Q / T). The same minimum as the bin-by-bin sum (tests/test_quantize.py), about 20x faster: `auto`
+    computes it for every activation quantizer.
     """
     device = hist.device
     bins = hist.double().clone()
     bins[0] = bins[1]
     n = bins.numel()
     nbins = 1 << (num_bits - 1 + int(unsigned))
-    nonzero = (bins != 0).double()
     zero = bins.new_zeros(1)
     cum_bins = torch.cat([zero, torch.cumsum(bins, 0)])
-    cum_nonzero = torch.cat([zero, torch.cumsum(nonzero, 0)])
-    j = torch.arange(n, device=device)
-    groups = torch.arange(nbins + 1, device=device)
-
+    cum_nonzero = torch.cat([zero, torch.cumsum((bins != 0).double(), 0)])
+    cum_b_log_b = torch.cat([zero, torch.cumsum(torch.special.xlogy(bins, bins), 0)])
+    total = cum_bins[-1]
     candidates = _candidate_rows(n, start_bin, stride, inclusive=True)
-    divergences = []
-    for rows in candidates.split(_ROWS_PER_CHUNK):
-        i = rows.to(device).unsqueeze(1)                            # (R, 1) bins kept
-        bounds = (groups * i + nbins - 1) // nbins                  # (R, nbins+1) first bin of each group
-        group_sum = cum_bins[bounds[:, 1:]] - cum_bins[bounds[:, :-1]]
-        group_nonzero = cum_nonzero[bounds[:, 1:]] - cum_nonzero[bounds[:, :-1]]
-        group_mean = torch.where(group_nonzero > 0, group_sum / group_nonzero.clamp_min(1), 0.0)
-        inside = j < i                                              # (R, n)
-        group_of_bin = torch.clamp((nbins * j) // i, max=nbins - 1)
-        q = torch.gather(group_mean, 1, group_of_bin) * nonzero * inside
-        p = bins * inside
-        tail = cum_bins[-1] - cum_bins[i.squeeze(1)]
-        p[torch.arange(len(rows), device=device), i.squeeze(1) - 1] += tail
-        p = p / p.sum(1, keepdim=True)
-        q = q / q.sum(1, keepdim=True).clamp_min(1e-300)
-        terms = torch.where(p > 0, p * torch.log(p / q), torch.zeros_like(p))
-        terms = torch.where((p > 0) & (q == 0), torch.full_like(p, math.inf), terms)
-        divergences.append(terms.sum(1))
-    divergences = torch.cat(divergences)
+    i = candidates.to(device)                                               # bins kept, per candidate
+    bounds = (torch.arange(nbins + 1, device=device) * i[:, None] + nbins - 1) // nbins  # first bin of each group
+    group_sum = cum_bins[bounds[:, 1:]] - cum_bins[bounds[:, :-1]]
+    group_nonzero = cum_nonzero[bounds[:, 1:]] - cum_nonzero[bounds[:, :-1]]
+    group_mean = torch.where(group_nonzero > 0, group_sum / group_nonzero.clamp_min(1), 0.0)
+    last, tail = bins[i - 1], total - cum_bins[i]
+    last_group = torch.clamp((nbins * (i - 1)) // i, max=nbins - 1)
+    p_log_p = cum_b_log_b[i - 1] + torch.special.xlogy(last + tail, last + tail)
+    p_log_q = (torch.special.xlogy(group_sum, group_mean).sum(1)
+               + torch.special.xlogy(tail, group_mean.gather(1, last_group[:, None]).squeeze(1)))
+    divergences = (p_log_p - p_log_q) / total + torch.log(cum_bins[i] / total)
+    divergences = torch.where((last == 0) & (tail > 0), math.inf, divergences)  # mass where the quantized has none
     best = divergences.numel() - 1 - int(torch.argmin(divergences.flip(0)))
     return edges[int(candidates[best])].float().cpu()

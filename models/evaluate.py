@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from models.task import Task
-from utils.general import LOGGER, TQDM_BAR_FORMAT, colorstr, non_max_suppression, scale_boxes, xywh2xyxy
+import torchvision
+
+from utils.general import LOGGER, TQDM_BAR_FORMAT, colorstr, scale_boxes, xywh2xyxy
 from utils.metrics import ap_per_class, box_iou
 
 IOU_THRESHOLDS = torch.linspace(0.5, 0.95, 10)
@@ -106,7 +108,7 @@ def detections(outputs: dict[str, torch.Tensor], nms: NMSConfig, nm: int = 0) ->
                 for i in range(len(n))]
     pred = outputs[next(iter(outputs))]
     if not nms.nms_free:
-        return non_max_suppression(pred, nms.conf_thres, nms.iou_thres, multi_label=True, max_det=nms.max_det, nm=nm)
+        return [multi_label_nms(x, nms, nm) for x in pred]
     out = []
     for x in pred.transpose(1, 2):  # best class per anchor, confidence filter, top max_det
         conf, cls = x[:, 4:].max(1)
@@ -114,6 +116,28 @@ def detections(outputs: dict[str, torch.Tensor], nms: NMSConfig, nm: int = 0) ->
         det = torch.cat([xywh2xyxy(x[keep, :4]), conf[keep, None], cls[keep, None].float()], 1)
         out.append(det[det[:, 4].argsort(descending=True)[:nms.max_det]])
     return out
+
+
+MAX_NMS_BOXES = 30000  # upstream's cap on the boxes one image sends into NMS (highest confidence first)
+CLASS_OFFSET = 7680     # upstream's per-class box offset: one NMS call keeps classes apart
+
+
+def multi_label_nms(x: torch.Tensor, nms: NMSConfig, nm: int = 0) -> torch.Tensor:
+    """Upstream val's NMS of one image's raw output (4 + nc + nm, anchors): every (box, class) pair above the
+    confidence threshold, per-class NMS, the top max_det. The same result as upstream's `non_max_suppression(...,
+    multi_label=True)`, without its wall-clock limit: that one stops mid-batch on a busy machine and returns no
+    boxes for the remaining images, so the mAP (and every choice made on it) would depend on the machine's load."""
+    nc = x.shape[0] - 4 - nm
+    x = x.T[x[4:4 + nc].amax(0) > nms.conf_thres]
+    box, cls, mask = x.split((4, nc, nm), 1)
+    if nc > 1:
+        i, j = (cls > nms.conf_thres).nonzero(as_tuple=False).T
+        det = torch.cat((xywh2xyxy(box[i]), cls[i, j, None], j[:, None].float(), mask[i]), 1)
+    else:
+        det = torch.cat((xywh2xyxy(box), cls, torch.zeros_like(cls), mask), 1)
+    det = det[det[:, 4].argsort(descending=True)[:MAX_NMS_BOXES]]
+    keep = torchvision.ops.nms(det[:, :4] + det[:, 5:6] * CLASS_OFFSET, det[:, 4], nms.iou_thres)
+    return det[keep[:nms.max_det]]
 
 
 def match(iou: torch.Tensor, label_cls: torch.Tensor, pred_cls: torch.Tensor,

@@ -211,6 +211,12 @@ class QuantizeRun:
         """Rank 0 evaluates (the loop of one process: the same numbers); the others get None."""
         return measure(model, self.inputs, self.cfg.nms, desc, split) if self.inputs.world.main else None
 
+    def measure_val(self, model: nn.Module, desc: str, on_select: dict | None) -> dict | None:
+        """`model` on the val images; with --no-select those are the select images, already measured (`on_select`)."""
+        if self.inputs.split.source == "val" and on_select is not None:
+            return self.inputs.task.metrics(on_select)
+        return self.measure(model, desc, "val")
+
     def save(self, model: nn.Module, path: Path, **extra) -> Path:
         if self.inputs.world.main:
             save_checkpoint(model, path, **extra)
@@ -237,7 +243,7 @@ class QuantizeRun:
         model = inputs.model
         if cfg.eval_origin:
             report["origin"] = self.measure(model, "origin (float)")
-            report.setdefault("val", {})["origin"] = self.measure(model, "origin (float)", "val")
+            report.setdefault("val", {})["origin"] = self.measure_val(model, "origin (float)", report["origin"])
         self.save_report()
         t0 = time.perf_counter()
         quantize_model(model, cfg.quant)
@@ -369,7 +375,7 @@ class QuantizeRun:
         final = report.get("final")
         if final is not None:
             delivered = load_quantized_model(final["file"], self.inputs.device)
-            report.setdefault("val", {})["final"] = self.measure(delivered, "delivered model", "val")
+            report.setdefault("val", {})["final"] = self.measure_val(delivered, "delivered model", final)
             LOGGER.info(f"{PREFIX}delivered model: {final['stage']}" + (f" epoch {final['epoch']}" if final["epoch"]
                         else "") + f", {colorstr('bold', final['file'])}")
         best = report.get("qat_best")

@@ -53,6 +53,11 @@ ABLATION = {
     "reference": ("NVIDIA's: per-layer MSE, Adam 1e-5, step schedule", ["--recipe", "reference"]),
     "ema": ("the default + weight EMA 0.995", ["--ema", "0.995"]),
     "learn-amax": ("the default + learned activation ranges", ["--learn-amax"]),
+    "det-3": ("the default, detection loss weighted 3", ["--det-loss", "3"]),
+    "layers-det": ("per-layer MSE distillation + detection loss, Adam 1e-4 cosine", ["--distill", "layers"]),
+    "long": ("the default over twice the iterations", ["--epochs", "10"]),  # finetune_args' --epochs is overridden
+    "control": ("float fine-tuning with the default recipe", ["--float-control"]),
+    "long-control": ("float fine-tuning over twice the iterations", ["--epochs", "10", "--float-control"]),
 }
 MODELOPT_METHODS = ("max", "entropy")  # Model Optimizer's INT8 calibration methods
 DFL_NODES = ".*dfl.*"  # the box decoder's fixed-weight conv: float in our graphs, so excluded from the peer's too
@@ -264,24 +269,28 @@ class ModelBench:
         with self.pool() as pool:
             return dict(zip(map(str, b.seeds), pool.map(one, b.seeds)))
 
-    def ablation(self) -> dict:
-        """Every recipe variant x seed, as the default command with the variant's flags: the best epoch's select mAP
-        (val is not looked at)."""
+    def ablation(self, variants: tuple[str, ...]) -> dict:
+        """Recipe variants x seed, as the default command with the variant's flags: the best epoch's and the last
+        epoch's select mAP (val is not looked at). The best of more epochs is a maximum over more noisy values;
+        the last epoch is not picked, so it compares schedules of different lengths without that bias."""
         b = self.bench
-        jobs = [(v, s) for v in ABLATION for s in b.seeds]
+        variants = ("default", *(v for v in variants if v != "default"))
+        jobs = [(v, s) for v in variants for s in b.seeds]
 
         def one(job):
             v, s = job
             same_as_qat = v == "default" and not b.qat_args  # the default command's own run, not a rerun
             r = self.quantize(f"qat-seed{s}" if same_as_qat else f"ablation-{v}-seed{s}", s,
                               self.finetune_args(*ABLATION[v][1]))
-            return r["qat_best"]["ap"]
+            return r["qat_best"]["ap"], r["qat"][-1]["ap"]
         with self.pool() as pool:
             runs = dict(zip(jobs, pool.map(one, jobs)))
         rows = {v: {"what": ABLATION[v][0], "args": ABLATION[v][1],
-                    "select_best": spread([runs[(v, s)] for s in b.seeds])} for v in ABLATION}
+                    "select_best": spread([runs[(v, s)][0] for s in b.seeds]),
+                    "select_last": spread([runs[(v, s)][1] for s in b.seeds])} for v in variants}
         for row in rows.values():
             row["vs_default"] = difference(row["select_best"], rows["default"]["select_best"])
+            row["last_vs_default"] = difference(row["select_last"], rows["default"]["select_last"])
         result = {"model": self.name, "dataset": b.dataset, "calibration": "auto", "provenance": self.provenance(),
                   "settings": self.settings(), "variants": rows}
         write_json(b.out / b.dataset / self.name / "ablation.json", result)
@@ -334,12 +343,12 @@ class ModelBench:
             shutil.copyfile(self.weights, copy)
         return copy
 
-    def run(self, ablation: bool = False) -> dict:
+    def run(self, ablation: tuple[str, ...] = ()) -> dict:
         fp = self.on_both(self.weights, self.work / "fp")
         ptq = self.ptq()
         choice = max(ptq, key=lambda m: spread([r["select"]["ap"] for r in ptq[m].values()])["mean"])
         if ablation:
-            self.ablation()
+            self.ablation(ablation)
         skip = self.bench.skip
         entry = {"model": self.name, "dataset": self.bench.dataset, "imgsz": self.bench.imgsz,
                  "provenance": self.provenance(), "settings": self.settings(), "fp": fp,
@@ -561,15 +570,19 @@ def demo_table(out: Path) -> str:
 
 
 def ablation_table(out: Path) -> str:
-    """Recipe variants on the select split (scripts/benchmark_accuracy.py --ablation)."""
+    """Recipe variants on the select split (scripts/benchmark_accuracy.py --ablation): each dataset's latest
+    (ablation.json) first, then earlier ones kept under another name (ablation-COMMIT.json)."""
     parts = []
-    for f in sorted(out.glob("*/*/ablation.json")):
+    for f in sorted(out.glob("*/*/ablation*.json"), key=lambda f: (f.parent, f.name != "ablation.json", f.name)):
         a = json.loads(f.read_text())
-        lines = [f"**{a['model']}** on {a['dataset']}, select split, from PTQ {a['calibration']} "
-                 f"({len(a['provenance']['seeds'])} seeds, commit {a['provenance']['commit'][:10]})", "",
-                 "| Variant | What | Best-epoch mAP50-95 on select | vs default |", "|---|---|---|---|"]
-        lines += [f"| {v} | {r['what']} | {fmt(r['select_best'])} | {fmt_difference(r['vs_default'])} |"
-                  for v, r in a["variants"].items()]
+        select = a["provenance"]["split"]["images"]["select"]
+        lines = [f"**{a['model']}** on {a['dataset']}, select split ({select} images), from PTQ {a['calibration']} "
+                 f"({len(a['provenance']['seeds'])} seeds, commit {_commit(a['provenance']['commit'])})", "",
+                 "| Variant | What | Best-epoch mAP50-95 on select | vs default | Last epoch | vs default |",
+                 "|---|---|---|---|---|---|"]
+        lines += [f"| {v} | {r['what']} | {fmt(r['select_best'])} | {fmt_difference(r['vs_default'])} | "
+                  + (f"{fmt(r['select_last'])} | {fmt_difference(r['last_vs_default'])} |" if "select_last" in r
+                     else "not recorded | |") for v, r in a["variants"].items()]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) if parts else "No ablation recorded yet."
 
@@ -607,7 +620,9 @@ def parse_opt(argv=None):
     p.add_argument("--workers", type=int, default=8, help="dataloader workers per run")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
     p.add_argument("--modelopt", action="store_true", help="also run NVIDIA Model Optimizer's ONNX PTQ")
-    p.add_argument("--ablation", action="store_true", help="also run the QAT recipe variants (judged on select)")
+    p.add_argument("--ablation", nargs="*", choices=sorted(ABLATION), default=None, metavar="VARIANT",
+                   help=f"also run these QAT recipe variants beside the default, judged on select (none named: all "
+                        f"of {', '.join(ABLATION)})")
     p.add_argument("--skip", nargs="*", choices=("qat", "fp_ft", "ort"), default=[],
                    help="stages left out (e.g. on a CPU, where fine-tuning takes hours); the entry says so")
     p.add_argument("--work", type=Path, default=Path("runs/benchmark"), help="run folders, logs, models")
@@ -664,9 +679,10 @@ def main(argv=None) -> int:
                   tuple(opt.seeds), tuple(opt.methods), opt.qat_epochs, opt.iters, opt.calib_batches,
                   tuple(shlex.split(opt.qat_args)), opt.modelopt, tuple(opt.skip), opt.jobs, opt.work.resolve(),
                   opt.out.resolve())
+    ablation = () if opt.ablation is None else tuple(opt.ablation) or tuple(ABLATION)
     for name, weights in opt.models.items():
         try:
-            entry = ModelBench(bench, name, Path(weights)).run(opt.ablation)
+            entry = ModelBench(bench, name, Path(weights)).run(ablation)
         except RuntimeError as e:  # a step that failed (its log's tail), or a folder of another run: no traceback
             print(f"benchmark_accuracy: error: {e}", file=sys.stderr)
             return 1

@@ -104,6 +104,23 @@ def test_existing_results_are_not_overwritten(quantize_run, gelan_t_weights, dem
     assert (save_dir.parent / "run2" / "report.json").is_file()  # a new folder, the first one untouched
 
 
+def test_no_select_warns_and_measures_the_val_images_once(gelan_t_weights, demo_data, tmp_path):
+    """--no-select makes the choices on the val images (a warning says so); the delivered model's val numbers are
+    its select numbers, not a second pass over the same images."""
+    r = run_cli("qat.py", "quantize", "--weights", gelan_t_weights, "--data", demo_data, *COMMON, "--epochs", 0,
+                "--calib-batches", 1, "--calib-method", "max", "--num-image", 8, "--no-select", "--project", tmp_path,
+                "--name", "run")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    assert "--no-select" in out and "optimistic" in out
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["select"]["source"] == "val" and report["select"]["images"] >= 8
+    assert report["val"]["final"] == {k: report["final"][k] for k in report["val"]["final"]}
+    assert report["val"]["origin"] == report["origin"]
+    assert "(val)" not in out  # every evaluation ran on select (= val), none twice
+    assert not (tmp_path / "run" / "split").exists()
+
+
 def test_sensitive_ranks_layers(gelan_t_weights, demo_data, tmp_path):
     r = run_cli("qat.py", "sensitive", "--weights", gelan_t_weights, "--data", demo_data, *COMMON,
                 "--calib-batches", 1, "--calib-method", "max", "--num-image", 4, "--project", tmp_path, "--name", "s")

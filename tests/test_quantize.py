@@ -140,6 +140,18 @@ def test_amax_algorithms_match_pytorch_quantization(seed, monkeypatch):
     assert float(amax_mse(th, te)) == pytest.approx(float(H._compute_amax_mse(hist.copy(), edges, 8, False)), rel=1e-6)
 
 
+def test_entropy_matches_pytorch_quantization_on_a_sparse_histogram():
+    """Empty bins inside and a lone count in an empty tail: the cases where a bin of the reference has mass and the
+    quantized distribution none (infinite divergence), which the prefix-sum form of amax_entropy handles apart."""
+    from pytorch_quantization.calib import histogram as H
+    rng = np.random.default_rng(3)
+    hist = (rng.random(1500) < 0.3) * rng.integers(0, 1000, 1500)
+    hist[1200:], hist[1300] = 0, 5
+    edges = np.linspace(0, 2, 1501)
+    ours = amax_entropy(torch.from_numpy(hist).double(), torch.from_numpy(edges))
+    assert float(ours) == pytest.approx(float(H._compute_amax_entropy(hist.copy(), edges, 8, False)))
+
+
 def test_histogram_growth_keeps_one_bin_width():
     c = HistogramCollector()
     c.collect(torch.full((10,), 1e-9))      # near-zero first batch: the 2.1.3 failure mode

@@ -139,7 +139,7 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights
     args = ["--dataset", "demo", "--models", f"gelan-t={gelan_t_weights}", "--data", demo_data, "--imgsz", IMGSZ,
             "--batch-size", 4, "--device", "cpu", "--workers", 0, "--seeds", 0, 1, "--methods", "max", "mse",
             "--qat-epochs", 1, "--iters", 1, "--calib-batches", 1, "--jobs", 2, "--work", work, "--out", out,
-            *(["--modelopt"] if modelopt else [])]
+            "--ablation", "det-3", *(["--modelopt"] if modelopt else [])]
     r = run_cli("scripts/benchmark_accuracy.py", *args, timeout=1500)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     e = json.loads((out / "demo" / "gelan-t" / "entry.json").read_text())
@@ -147,7 +147,7 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights
     prov = e["provenance"]
     assert prov["seeds"] == [0, 1] and prov["split"]["fingerprint"] == split["split"]["fingerprint"]
     assert prov["weights_sha256"] == hashlib.sha256(gelan_t_weights.read_bytes()).hexdigest()
-    assert prov["command"].endswith("--out " + str(out) + (" --modelopt" if modelopt else ""))
+    assert prov["command"].endswith("--ablation det-3" + (" --modelopt" if modelopt else ""))
     assert len(prov["commit"]) >= 7 and prov["machine"]["torch"]
     # the choice is the method with the best mean on select, whatever val says
     means = {m: sum(r["select"]["ap"] for r in runs.values()) / 2 for m, runs in e["ptq"].items()}
@@ -171,6 +171,15 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights
         stages = [report["ptq"]["ap"]] + [ep["ap"] for ep in report["qat"]]
         assert report["final"]["ap"] == max(stages)
         assert r["val_final"] == (r["auto"]["val"] if r["final"]["stage"] == "ptq" else r["val_best"])
+    # the ablation: the default row is the default command's own runs, each variant judged on select only
+    a = json.loads((out / "demo" / "gelan-t" / "ablation.json").read_text())
+    assert list(a["variants"]) == ["default", "det-3"]
+    assert a["variants"]["default"]["select_best"]["values"] == [
+        json.loads((work / "demo" / "gelan-t" / f"qat-seed{k}" / "report.json").read_text())["qat_best"]["ap"]
+        for k in ("0", "1")]
+    det3 = json.loads((work / "demo" / "gelan-t" / "ablation-det-3-seed0" / "report.json").read_text())
+    assert det3["config"]["qat"]["det_loss"] == 3 and det3["select"]["fingerprint"] == report["select"]["fingerprint"]
+    assert a["variants"]["det-3"]["select_last"]["values"][0] == det3["qat"][-1]["ap"]
     if modelopt:  # the peer calibrated on the very images ours did, and its joins are counted by our lint
         assert e["modelopt"]["max"]["1"]["calibration_sample"] == e["ptq"][e["ptq_choice"]]["1"]["calibration_sample"]
         assert e["modelopt"]["max"]["0"]["lint"]["unshared_joins"] > 0 == e["ours_lint"]["unshared_joins"]
