@@ -15,11 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torchvision
 from tqdm import tqdm
 
 from models.task import Task
-import torchvision
-
 from utils.general import LOGGER, TQDM_BAR_FORMAT, colorstr, scale_boxes, xywh2xyxy
 from utils.metrics import ap_per_class, box_iou
 

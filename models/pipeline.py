@@ -24,6 +24,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -211,11 +212,12 @@ class QuantizeRun:
         """Rank 0 evaluates (the loop of one process: the same numbers); the others get None."""
         return measure(model, self.inputs, self.cfg.nms, desc, split) if self.inputs.world.main else None
 
-    def measure_val(self, model: nn.Module, desc: str, on_select: dict | None) -> dict | None:
-        """`model` on the val images; with --no-select those are the select images, already measured (`on_select`)."""
+    def measure_val(self, model: Callable[[], nn.Module], desc: str, on_select: dict | None) -> dict | None:
+        """The model `model()` gives, on the val images; with --no-select those are the select images, already
+        measured (`on_select`): nothing is loaded or run again."""
         if self.inputs.split.source == "val" and on_select is not None:
             return self.inputs.task.metrics(on_select)
-        return self.measure(model, desc, "val")
+        return self.measure(model(), desc, "val")
 
     def save(self, model: nn.Module, path: Path, **extra) -> Path:
         if self.inputs.world.main:
@@ -243,7 +245,7 @@ class QuantizeRun:
         model = inputs.model
         if cfg.eval_origin:
             report["origin"] = self.measure(model, "origin (float)")
-            report.setdefault("val", {})["origin"] = self.measure_val(model, "origin (float)", report["origin"])
+            report.setdefault("val", {})["origin"] = self.measure_val(lambda: model, "origin (float)", report["origin"])
         self.save_report()
         t0 = time.perf_counter()
         quantize_model(model, cfg.quant)
@@ -374,8 +376,8 @@ class QuantizeRun:
             return report
         final = report.get("final")
         if final is not None:
-            delivered = load_quantized_model(final["file"], self.inputs.device)
-            report.setdefault("val", {})["final"] = self.measure_val(delivered, "delivered model", final)
+            report.setdefault("val", {})["final"] = self.measure_val(
+                lambda: load_quantized_model(final["file"], self.inputs.device), "delivered model", final)
             LOGGER.info(f"{PREFIX}delivered model: {final['stage']}" + (f" epoch {final['epoch']}" if final["epoch"]
                         else "") + f", {colorstr('bold', final['file'])}")
         best = report.get("qat_best")
