@@ -566,8 +566,8 @@ def demo_table(out: Path) -> str:
     d = json.loads(f.read_text())
     return (f"{d['table']}\n\n({d['where']}, {d['date']}, commit {d['commit'][:10]}: {d['minutes']:.1f} min in all; "
             f"{d['data']}. A single run: the calibration method and the delivered stage were chosen on "
-            f"{d['report']['select']['images']} held-out training images (the select rows), the val row is the val "
-            f"images; it shows the workflow runs, not an accuracy claim (the table below is that); on another CPU these "
+            f"{d['report']['select']['images']} held-out training images (the select rows), the other rows are "
+            f"measured on the val images; it shows the workflow runs, not an accuracy claim (the table below is that); on another CPU these "
             f"figures move by up to about 0.01.)")
 
 
