@@ -567,8 +567,8 @@ def demo_table(out: Path) -> str:
     return (f"{d['table']}\n\n({d['where']}, {d['date']}, commit {d['commit'][:10]}: {d['minutes']:.1f} min in all; "
             f"{d['data']}. A single run: the calibration method and the delivered stage were chosen on "
             f"{d['report']['select']['images']} held-out training images (the select rows), the other rows are "
-            f"measured on the val images; it shows the workflow runs, not an accuracy claim (the table below is that); on another CPU these "
-            f"figures move by up to about 0.01.)")
+            f"measured on the val images; it shows the workflow runs, not an accuracy claim (the table below is "
+            f"that); on another CPU these figures move by up to about 0.01.)")
 
 
 def ablation_table(out: Path) -> str:
