@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from models.evaluate import NMSConfig  # noqa: E402
 from models.finetune import DISTILL_TARGETS, LR_SCHEDULES, RECIPES, QATRecipe  # noqa: E402
-from models.pipeline import RunConfig, evaluate_checkpoint, quantize, resume, sensitivity  # noqa: E402
+from models.pipeline import CONTROL_PARTS, RunConfig, evaluate_checkpoint, quantize, resume, sensitivity  # noqa: E402
 from models.quantize import CALIB_METHODS, QuantRecipe, skip_patterns  # noqa: E402
 from models.selection import SelectConfig  # noqa: E402
 from utils.io_utils import OutputDir, cli_main  # noqa: E402
@@ -90,8 +90,9 @@ def _qat_flags(q):
                    help="train the activation ranges (amax) too")
     q.add_argument("--ema", type=float, default=None, help="weight EMA decay (0: off)")
     q.add_argument("--skip-layers", nargs="*", default=[], help="layer indices or module-name regexes kept in float")
-    q.add_argument("--float-control", action="store_true",
-                   help="the float control of a QAT run: the same fine-tune with every quantizer disabled")
+    q.add_argument("--float-control", nargs="?", const="all", choices=CONTROL_PARTS, default=None,
+                   help="the float control of a QAT run: the same fine-tune with every quantizer disabled, or "
+                        "(measurement) only the weight or only the activation quantizers")
     q.add_argument("--no-share-rules", action="store_true",
                    help="measurement only: no TensorRT scale sharing (the export gets reformat layers in TensorRT)")
     q.add_argument("--no-eval-origin", action="store_true", help="do not evaluate the float model")
@@ -154,7 +155,8 @@ def build(flags: dict) -> tuple[str, RunConfig, OutputDir, list[str]]:
     select = SelectConfig(fraction=flags.pop("select_fraction", 0.1), min_images=flags.pop("select_min", 100),
                           data=flags.pop("select_data", None), enabled=not flags.pop("no_select", False))
     cfg = RunConfig(quant=quant, qat=qat, nms=nms, select=select, epochs=flags.pop("epochs", 0), iters=flags.pop("iters", 0),
-                    control=flags.pop("float_control", False), eval_origin=not flags.pop("no_eval_origin", False),
+                    control=flags.pop("float_control", None) or "",
+                    eval_origin=not flags.pop("no_eval_origin", False),
                     eval_ptq=not flags.pop("no_eval_ptq", False), hyp=flags.pop("hyp", str(ROOT / DEFAULT_HYP)),
                     **flags)
     return cmd, cfg, out, skip

@@ -12,9 +12,11 @@ Under torchrun the same run is spread over several processes (models/distributed
 batch, calibration statistics are combined across ranks, the student trains under DistributedDataParallel, and
 rank 0 alone evaluates and writes. --iters 0 makes an epoch one pass over the training images.
 
-A run with `control=True` is the float control of a QAT run: the identical fine-tune (recipe, losses, teacher,
+A run with `control="all"` is the float control of a QAT run: the identical fine-tune (recipe, losses, teacher,
 iterations, learning-rate schedule, seed, data) with every quantizer disabled. QAT minus control is what
-quantization costs; QAT minus the float model is what the user gains.
+quantization costs; QAT minus the float model is what the user gains. `control="weights"` ("activations") keeps
+only those in float, the other quantizers INT8: the two halves of that cost, apart (a measurement, not a model to
+deploy).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from utils.io_utils import Interrupted, OutputDir, atomic_write, write_json
 from utils.torch_utils import select_device
 
 PREFIX = colorstr("qat: ")
+CONTROL_PARTS = ("all", "weights", "activations")  # what --float-control keeps in float
 STATE_FILE = "qat_state.pt"  # model and fine-tuning state after the last completed epoch (for --resume)
 
 
@@ -66,7 +69,7 @@ class RunConfig:
     select: SelectConfig = field(default_factory=SelectConfig)
     epochs: int = 10
     iters: int = 200                  # per epoch; 0: one pass over the training images
-    control: bool = False             # the float control: the same fine-tune with every quantizer disabled
+    control: str = ""                 # float control: "all" quantizers disabled, or only "weights"/"activations"
     nms: NMSConfig = field(default_factory=NMSConfig)
     eval_origin: bool = True
     eval_ptq: bool = True
@@ -75,6 +78,8 @@ class RunConfig:
     def __post_init__(self):
         if self.epochs < 0 or self.iters < 0:
             raise ValueError("--epochs and --iters must be >= 0")
+        if self.control and self.control not in CONTROL_PARTS:
+            raise ValueError(f"--float-control must be one of {CONTROL_PARTS}, got {self.control!r}")
         if self.control and not self.epochs:
             raise ValueError("--float-control fine-tunes: it needs --epochs > 0")
 
@@ -86,6 +91,8 @@ class RunConfig:
         nested = {"quant": QuantRecipe, "qat": QATRecipe, "nms": NMSConfig, "select": SelectConfig}
         known = {f.name for f in fields(cls)}
         d = {k: v for k, v in d.items() if k in known}
+        if isinstance(d.get("control"), bool):  # report.json of a run started before partial controls existed
+            d["control"] = "all" if d["control"] else ""
         for key, kind in nested.items():
             if isinstance(d.get(key), dict):
                 d[key] = kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in d[key].items()})
@@ -180,6 +187,13 @@ def train_loader(task: Task, data_dict: dict, cfg: RunConfig, hyp: dict, augment
     return rank_loader(loader, world.size, world.rank)
 
 
+def controlled_quantizers(model: nn.Module, part: str) -> list[nn.Module]:
+    """The quantizers a float control of `part` ("all", "weights", "activations"; "": none) disables."""
+    if not part:
+        return []
+    return [q for _, q in named_quantizers(model) if part == "all" or (q.axis is not None) == (part == "weights")]
+
+
 def measure(model: nn.Module, inputs: Inputs, cfg_nms: NMSConfig, desc: str, split: str = "val") -> dict:
     """The task's metrics of an in-memory model on the val or the select images (models/evaluate.py)."""
     loader = inputs.select if split == "select" else inputs.val
@@ -256,8 +270,8 @@ class QuantizeRun:
         n = min(cfg.quant.calib_batches, len(loader))  # global batches: each rank loads its share of each
         seen: list[list[str]] = []
         images = _images_noting_files(seeded_batches(loader, inputs.device, n, cfg.seed), seen)
-        # the control disables every quantizer: its ranges are never used, one cheap candidate is enough
-        recipe = replace(cfg.quant, calib_method="max") if cfg.control else cfg.quant
+        # the full control disables every quantizer: its ranges are never used, one cheap candidate is enough
+        recipe = replace(cfg.quant, calib_method="max") if cfg.control == "all" else cfg.quant
         progress = tqdm(images, total=n, desc=f"{PREFIX}calibrating", disable=not world.main)
         stats = collect_statistics(model, recipe, progress, world)
         t1 = time.perf_counter()
@@ -273,7 +287,7 @@ class QuantizeRun:
         # which images, in one process's order (a peer calibrates on the same): batch by batch, rank by rank
         seen = [f for batch in zip(*world.all_gather(seen)) for share in batch for f in share]
         report["calibration"] = {
-            "method": "max (control: quantizers disabled)" if cfg.control else cfg.quant.calib_method,
+            "method": "max (control: quantizers disabled)" if cfg.control == "all" else cfg.quant.calib_method,
             "chosen": chosen, "candidates": scores, "images": len(seen),
             "seconds": {"insert_quantizers": round(insert_s, 2), "collect": round(stats.collect_s, 2),
                         "ranges": stats.amax_s, "ranges_and_evaluations": round(time.perf_counter() - t1, 2)}}
@@ -310,9 +324,8 @@ class QuantizeRun:
         state = read_checkpoint(state_file, flag="--resume") if state_file.is_file() else None
         if state is not None:
             model = state["model"].to(inputs.device)
-        if cfg.control:
-            for _, q in named_quantizers(model):
-                q.disable()
+        for q in controlled_quantizers(model, cfg.control):
+            q.disable()
         if cfg.qat.learn_amax:
             learnable_amax_parameters(model)
         stage = "control" if cfg.control else "qat"
@@ -381,7 +394,8 @@ class QuantizeRun:
             LOGGER.info(f"{PREFIX}delivered model: {final['stage']}" + (f" epoch {final['epoch']}" if final["epoch"]
                         else "") + f", {colorstr('bold', final['file'])}")
         best = report.get("qat_best")
-        fine_tuned = "FP fine-tune best (control)" if self.cfg.control else "QAT best epoch (PyTorch INT8)"
+        fine_tuned = {"": "QAT best epoch (PyTorch INT8)", "all": "FP fine-tune best (control)"}.get(
+            self.cfg.control, f"fine-tune with {self.cfg.control} in float, best (control)")
         chosen = report["calibration"]["chosen"]
         val = report.get("val", {})
         rows = [("Origin (PyTorch), select", report.get("origin")), (f"PTQ {chosen}, select", report.get("ptq")),

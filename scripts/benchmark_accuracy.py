@@ -589,6 +589,54 @@ def ablation_table(out: Path) -> str:
     return "\n\n".join(parts) if parts else "No ablation recorded yet."
 
 
+PARTS = {"": "weights and activations (QAT, the default command)", "weights": "activations only (weights float)",
+         "activations": "weights only (activations float)", "all": "nothing (the float control)"}
+
+
+def _partial_settings(run: dict) -> dict:
+    """What must match for a partial control to sit beside an entry's QAT: select images, size, batch, schedule."""
+    if "config" in run:  # a qat.py report.json
+        c = run["config"]
+        return {"select": run["select"]["fingerprint"], "imgsz": c["imgsz"], "batch_size": c["batch_size"],
+                "epochs": c["epochs"], "iters": c["iters"], "calib_batches": c["quant"]["calib_batches"]}
+    s = run["settings"]
+    return {"select": run["provenance"]["split"]["fingerprint"]["select"], "imgsz": s["imgsz"],
+            "batch_size": s["batch_size"], "epochs": s["qat_epochs"], "iters": s["iters"],
+            "calib_batches": s["calib_batches"]}
+
+
+def partial_control_table(out: Path) -> str:
+    """Which quantizers keep QAT from following its float control: `qat.py quantize --float-control PART` runs
+    (OUT/<dataset>/<model>/partial-control/*.json, their report.json files) beside the entry's QAT and float
+    control of the same seeds, select split and settings, each judged on select (best and last epoch)."""
+    parts = []
+    for folder in sorted(out.glob("*/*/partial-control")):
+        e = json.loads((folder.parent / "entry.json").read_text())
+        reports = [json.loads(f.read_text()) for f in sorted(folder.glob("*.json"))]
+        runs = {"": {str(k): r["select_by_epoch"] for k, r in e["qat"].items()},
+                "all": {str(k): r["select_by_epoch"] for k, r in e["fp_ft"].items()}}
+        val = {"": [r["val_best"]["ap"] for r in e["qat"].values()],
+               "all": [r["val_best"]["ap"] for r in e["fp_ft"].values()]}
+        for r in reports:
+            if _partial_settings(r) != _partial_settings(e):
+                raise ValueError(f"{folder}: a run made with other settings than the entry's ({_partial_settings(r)} "
+                                 f"vs {_partial_settings(e)}): its numbers are not comparable")
+            runs.setdefault(r["config"]["control"], {})[str(r["config"]["seed"])] = [q["ap"] for q in r["qat"]]
+            val.setdefault(r["config"]["control"], []).append(r["val"]["final"]["ap"])
+        best = {part: spread([max(v) for v in r.values()]) for part, r in runs.items()}
+        last = {part: spread([v[-1] for v in r.values()]) for part, r in runs.items()}
+        lines = [f"**{e['model']}** on {e['dataset']}, select split ({e['provenance']['split']['images']['select']} "
+                 f"images), {e['settings']['qat_epochs']} x {e['settings']['iters']} iterations, seeds "
+                 f"{', '.join(sorted(runs['']))}", "",
+                 "| INT8 during the fine-tune | Best epoch on select | vs QAT | Last epoch | vs QAT | "
+                 "Best epoch on val |", "|---|---|---|---|---|---|"]
+        lines += [f"| {PARTS[p]} | {fmt(best[p])} | {fmt_difference(difference(best[p], best['']))} | {fmt(last[p])} | "
+                  f"{fmt_difference(difference(last[p], last['']))} | {fmt(spread(val[p]))} |"
+                  for p in sorted(runs, key=list(PARTS).index)]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) if parts else "No partial control recorded yet."
+
+
 def rendered(out: Path, docs: bool) -> dict[Path, dict[str, str]]:
     """Every rendered block, by file: OUT/accuracy.md, and with `docs` this repository's docs/RESULTS.md and
     README.md (nothing outside --out otherwise)."""
@@ -597,7 +645,8 @@ def rendered(out: Path, docs: bool) -> dict[Path, dict[str, str]]:
     files = {out / "accuracy.md": {"accuracy": accuracy}}
     if docs:
         files[REPO / "docs" / "RESULTS.md"] = {"accuracy": accuracy, "float-training": training_table(out),
-                                               "ablation": ablation_table(out), "costs": costs_table(out)}
+                                               "ablation": ablation_table(out), "costs": costs_table(out),
+                                               "partial-control": partial_control_table(out)}
         files[REPO / "README.md"] = {"accuracy": accuracy, "demo": demo_table(out)}
     return files
 
@@ -658,10 +707,10 @@ def _pairs(parser, items):
 
 
 def render(out: Path, check: bool, docs: bool) -> int:
-    files = rendered(out, docs)
     try:
+        files = rendered(out, docs)
         diffs = render_files(files, check)
-    except ValueError as e:  # a file whose markers were removed: name it, write nothing
+    except ValueError as e:  # a file whose markers were removed, results that do not fit: name it, write nothing
         print(f"benchmark_accuracy: error: {e}", file=sys.stderr)
         return 1
     if check and diffs:

@@ -11,9 +11,10 @@ import yaml
 from conftest import CHECKOUT, build_model
 
 from models.checkpoint import read_checkpoint, save_checkpoint
+from models.pipeline import CONTROL_PARTS, controlled_quantizers
 from models.finetune import RECIPES, FineTuner, QATObjective, QATRecipe, WeightEMA, head_distill_loss, lr_at
 from models.quantize import (QuantRecipe, calibrate, copy_float, fake_quant, learnable_amax_parameters,
-                             named_quantizers, quantize_model)
+                             named_quantizers, quantization_disabled, quantize_model)
 from utils.onnx_utils import model_to_onnx, unshared_joins
 
 NC, REG_MAX = 3, 16
@@ -162,6 +163,28 @@ def test_learned_amax_gets_gradients_and_exports_one_scale_per_shared_group(ptq_
     assert not any(isinstance(q._amax, torch.nn.Parameter) for _, q in named_quantizers(loaded, True))
     assert torch.equal(loaded.model[-1].cv2[0][0].conv._input_quantizer.amax.reshape(()),
                        model.model[-1].cv2[0][0].conv._input_quantizer.amax.detach().reshape(()))
+
+
+def test_partial_controls_split_the_quantizers(ptq_pair):
+    """--float-control weights / activations disable exactly one kind (together: every quantizer, once); with all
+    disabled the student computes what its float teacher does, and each part alone computes neither."""
+    model, teacher = copy.deepcopy(ptq_pair[0]), ptq_pair[1]
+    everything = {id(q) for _, q in named_quantizers(model)}
+    parts = {p: {id(q) for q in controlled_quantizers(model, p)} for p in CONTROL_PARTS}
+    assert parts["weights"] and parts["activations"] and not parts["weights"] & parts["activations"]
+    assert parts["weights"] | parts["activations"] == parts["all"] == everything
+    assert all(q.axis is not None for q in controlled_quantizers(model, "weights")) and not controlled_quantizers(
+        model, "")
+    x = _images(1, seed=3)[0]
+    with torch.no_grad():
+        int8, float_ = model(x)[0], teacher(x)[0]
+        outputs = {}
+        for part in CONTROL_PARTS:
+            with quantization_disabled(controlled_quantizers(model, part)):
+                outputs[part] = model(x)[0]
+    assert torch.equal(outputs["all"], float_)
+    for part in ("weights", "activations"):
+        assert not torch.equal(outputs[part], int8) and not torch.equal(outputs[part], float_)
 
 
 def test_ema_decays_a_shared_quantizer_once(ptq_pair):

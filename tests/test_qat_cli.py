@@ -121,6 +121,26 @@ def test_no_select_warns_and_measures_the_val_images_once(gelan_t_weights, demo_
     assert not (tmp_path / "run" / "split").exists()
 
 
+def test_float_control_parts_parse_and_old_reports_resume(gelan_t_weights, demo_data):
+    """`--float-control` alone is the full control, with a part only those quantizers; anything else is refused in
+    one line; a report.json written when the flag was a switch (true/false) still loads for --resume."""
+    import sys
+    from models.pipeline import RunConfig
+    call_cli("qat.py", "--help")  # loads the script as a module
+    qat = sys.modules["cli_qat"]
+    base = ["quantize", "--weights", str(gelan_t_weights), "--data", str(demo_data), "--epochs", "1"]
+    for extra, part in (([], ""), (["--float-control"], "all"), (["--float-control", "weights"], "weights"),
+                        (["--float-control", "activations", "--iters", "3"], "activations")):
+        cfg = qat.build(dict(vars(qat.parse_opt(base + extra))))[1]
+        assert cfg.control == part
+    r = call_cli("qat.py", *base, "--float-control", "biases")
+    assert r.returncode == 2 and "--float-control" in r.stderr and "invalid choice" in r.stderr
+    r = call_cli("qat.py", *base[:-1], "0", "--float-control", "weights")
+    assert r.returncode == 2 and "--float-control fine-tunes" in r.stderr
+    for old, part in ((True, "all"), (False, "")):
+        assert RunConfig.from_dict({**cfg.to_dict(), "control": old}).control == part
+
+
 def test_sensitive_ranks_layers(gelan_t_weights, demo_data, tmp_path):
     r = run_cli("qat.py", "sensitive", "--weights", gelan_t_weights, "--data", demo_data, *COMMON,
                 "--calib-batches", 1, "--calib-method", "max", "--num-image", 4, "--project", tmp_path, "--name", "s")

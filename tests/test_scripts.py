@@ -216,6 +216,32 @@ def test_benchmark_folders_are_named_by_what_decides_their_numbers():
     assert bench._result_args(args) == ["--weights", "w.pt", "--seed", "1", "--lr", "3e-5"]
 
 
+def test_partial_controls_sit_only_beside_runs_of_the_same_settings(tmp_path):
+    """The partial-control table sets qat.py reports beside their entry's QAT and float control, each part's best
+    and last epoch over its seeds; a report made with other settings than the entry's is refused, not compared."""
+    import shutil
+    call_cli("scripts/benchmark_accuracy.py", "--render", "--check")  # loads the script as a module
+    bench = sys.modules["cli_benchmark_accuracy"]
+    src, dst = REPO / "results" / "helmet" / "gelan-s", tmp_path / "helmet" / "gelan-s"
+    shutil.copytree(src / "partial-control", dst / "partial-control")
+    shutil.copy(src / "entry.json", dst / "entry.json")
+    entry = json.loads((dst / "entry.json").read_text())
+    reports = [json.loads(f.read_text()) for f in sorted((dst / "partial-control").glob("*.json"))]
+    table = bench.partial_control_table(tmp_path)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    qat_best = sum(max(r["select_by_epoch"]) for r in entry["qat"].values()) / len(entry["qat"])
+    part_last = sum(r["qat"][-1]["ap"] for r in reports) / len(reports)
+    assert f"{qat_best:.4f} ± " in rows["weights and activations (QAT, the default command)"]
+    assert f"{part_last:.4f} ± " in rows["activations only (weights float)"]
+    assert rows["nothing (the float control)"]
+    changed = dst / "partial-control" / "weights-seed1.json"
+    report = json.loads(changed.read_text())
+    report["config"]["iters"] = 2 * report["config"]["iters"]
+    changed.write_text(json.dumps(report))
+    with pytest.raises(ValueError, match="other settings"):
+        bench.partial_control_table(tmp_path)
+
+
 def test_published_results_are_what_their_json_renders_to():
     """README.md, docs/RESULTS.md and results/accuracy.md hold the tables the results JSON renders to: nothing
     edited by hand (CI runs this check)."""
