@@ -37,13 +37,19 @@ def derive_shared_groups(model: nn.Module, imgsz: int = 64,
     for m in model.modules():  # distinct objects, in module order
         if isinstance(m, TensorQuantizer) and m.axis is None and not m._disabled:
             quantizers.append(m)
+    # weights are quantized per channel and never join: without their Q/DQ pairs the trace is half the work
+    weights = [m for m in model.modules() if isinstance(m, TensorQuantizer) and m.axis is not None and not m._disabled]
     device = next(model.parameters()).device
     saved = [None if q.amax is None else q.amax.clone() for q in quantizers]
     try:
+        for q in weights:
+            q.disable()
         for k, q in enumerate(quantizers):
             q.set_amax(torch.tensor(_marker(k), device=device))
         graph = model_to_onnx(model, imgsz).graph
     finally:
+        for q in weights:
+            q.enable()
         for q, amax in zip(quantizers, saved):
             if amax is None:
                 q.clear_amax()

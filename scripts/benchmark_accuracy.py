@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
@@ -85,6 +86,16 @@ class Bench:
     work: Path
     out: Path
 
+    @property
+    def step_env(self) -> dict[str, str]:
+        """Each step's environment: with several jobs at a time, each gets its share of the CPUs for its math
+        threads (more OpenMP threads than cores spin against each other: two jobs of two threads on two cores ran
+        auto's range computations 20x slower). A thread count the caller set is kept."""
+        env = dict(os.environ)
+        if self.jobs > 1:
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.jobs)))
+        return env
+
     def common(self, weights: Path, data: Path) -> list[str]:
         return ["--weights", str(weights), "--data", str(data), "--imgsz", str(self.imgsz), "--device", self.device,
                 "--batch-size", str(self.batch_size), "--calib-batches", str(self.calib_batches), "--workers",
@@ -94,16 +105,16 @@ class Bench:
 # --------------------------------------------------------------------------------------------------
 # Steps (each skipped when its output exists)
 # --------------------------------------------------------------------------------------------------
-def run_step(cmd: list[str], log: Path) -> None:
+def run_step(cmd: list[str], log: Path, env: dict[str, str]) -> None:
     print("+ " + shlex.join(cmd), flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if r.returncode:
         raise RuntimeError(f"{shlex.join(cmd)} failed (exit {r.returncode}); log {log}:\n{log.read_text()[-1500:]}")
 
 
-def quantize_run(args: list[str], save_dir: Path) -> dict:
+def quantize_run(args: list[str], save_dir: Path, env: dict[str, str]) -> dict:
     """A `qat.py quantize` run (resumed where it stopped); its report. A folder made with other arguments is an
     error, not a result: its numbers would be reported as this run's."""
     report, recorded = save_dir / "report.json", save_dir / "benchmark_args.json"
@@ -116,7 +127,7 @@ def quantize_run(args: list[str], save_dir: Path) -> dict:
     if not (report.is_file() and json.loads(report.read_text()).get("finished")):
         resume = ["--resume", str(save_dir)] if report.is_file() else \
             [*args, "--project", str(save_dir.parent), "--name", save_dir.name, "--exist-ok"]
-        run_step([sys.executable, "qat.py", "quantize", *resume], save_dir.with_name(save_dir.name + ".log"))
+        run_step([sys.executable, "qat.py", "quantize", *resume], save_dir.with_name(save_dir.name + ".log"), env)
     return json.loads(report.read_text())
 
 
@@ -145,12 +156,12 @@ def measure(model: Path, data: Path, out: Path, bench: Bench) -> dict:
                                                                              bench.device]
         run_step([sys.executable, "val_trt.py", *source, "--data", str(data), "--imgsz", str(bench.imgsz),
                   "--batch-size", "8", "--workers", str(bench.workers), "--project", str(out.parent), "--name",
-                  out.name, "--exist-ok"], out.with_suffix(".log"))
+                  out.name, "--exist-ok"], out.with_suffix(".log"), bench.step_env)
     m = json.loads(result.read_text())
     return {k: m[k] for k in ("ap", "ap50", "precision", "recall")}
 
 
-def export(weights: Path, dtype: str, imgsz: int) -> Path:
+def export(weights: Path, dtype: str, bench: Bench) -> Path:
     """The deployable graph of a checkpoint: FP32 (PyTorch's arithmetic, Model Optimizer's input) or FP16 (what
     TensorRT 11 builds), written beside a copy named after it."""
     onnx_file = weights.with_name(f"{weights.stem}-{dtype}.onnx")
@@ -158,7 +169,8 @@ def export(weights: Path, dtype: str, imgsz: int) -> Path:
         copy = weights.with_name(onnx_file.stem + ".pt")
         shutil.copyfile(weights, copy)
         run_step([sys.executable, "export_qat.py", "--weights", str(copy), "--include", "onnx", "--dynamic",
-                  "--imgsz", str(imgsz), "--dtype", dtype, "--exist-ok"], copy.with_suffix(".export.log"))
+                  "--imgsz", str(bench.imgsz), "--dtype", dtype, "--exist-ok"], copy.with_suffix(".export.log"),
+                 bench.step_env)
         copy.unlink()
     return onnx_file
 
@@ -202,7 +214,7 @@ class ModelBench:
         """A `qat.py quantize` run on --data (it carves the select split itself; checked to be this benchmark's)."""
         b = self.bench
         r = quantize_run([*b.common(self.weights, Path(b.data)), "--seed", str(seed), "--no-eval-origin", *extra],
-                         self.work / folder)
+                         self.work / folder, b.step_env)
         if r["select"]["fingerprint"] != self.select_fingerprint:
             raise RuntimeError(f"{self.work / folder}: qat.py held out other select images than the benchmark's split")
         return r
@@ -304,7 +316,7 @@ class ModelBench:
 
         def one(job):
             dtype, s = job
-            graph = export(Path(qat[s]["final_file"]), dtype, b.imgsz)
+            graph = export(Path(qat[s]["final_file"]), dtype, b)
             out = self.work / f"ort{recipe_tag(b.qat_args)}-{dtype}-seed{s}"
             return {"val": measure(graph, self.report_yaml, out, b), "lint": lint_summary(graph)}
         with self.pool() as pool:
@@ -315,7 +327,7 @@ class ModelBench:
         """Model Optimizer's ONNX INT8 PTQ of the float model, each method x seed, calibrated on the very images our
         calibration of that seed used (count and identity), the DFL conv kept float as in ours."""
         b = self.bench
-        fp_onnx = export(self._float_copy(), "fp32", b.imgsz)
+        fp_onnx = export(self._float_copy(), "fp32", b)
         jobs = [(m, s) for m in MODELOPT_METHODS for s in b.seeds]
 
         def one(job):
@@ -330,7 +342,7 @@ class ModelBench:
                           "--onnx_path", str(q.with_name("float.onnx")),
                           "--quantize_mode", "int8", "--calibration_method", m, "--calibration_data_path", str(calib),
                           "--calibration_eps", "cpu", "--high_precision_dtype", "fp32", "--nodes_to_exclude", DFL_NODES,
-                          "--output_path", str(q)], q.with_suffix(".log"))
+                          "--output_path", str(q)], q.with_suffix(".log"), b.step_env)
             return {**self.on_both(q, self.work / f"ort-modelopt-{m}-seed{s}"), "lint": lint_summary(q),
                     "calib_images": len(files), "calibration_sample": sample_id(files)}
         with self.pool() as pool:
@@ -370,7 +382,7 @@ class ModelBench:
             entry["modelopt_choice"] = max(peer, key=lambda m: spread([r["select"]["ap"] for r in peer[m].values()])
                                            ["mean"])
             entry["ours_lint"] = {"graph": "delivered" if "qat" in entry else f"ptq-{choice}",
-                                  **lint_summary(export(ours, "fp32", self.bench.imgsz))}
+                                  **lint_summary(export(ours, "fp32", self.bench))}
         entry["summary"] = summarize(entry)
         write_json(self.bench.out / self.bench.dataset / self.name / "entry.json", entry)
         return entry
