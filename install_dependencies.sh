@@ -42,7 +42,8 @@ pip_install --no-deps setuptools==69.5.1
 "$PY" - <<'PY'
 import importlib
 mods = ["torch", "torchvision", "pytorch_quantization", "onnx", "onnxruntime", "onnxslim", "cv2", "pycocotools",
-        "pkg_resources", "IPython", "thop", "yaml", "tqdm", "pandas", "seaborn", "matplotlib", "tensorboard"]
+        "pkg_resources", "IPython", "thop", "yaml", "tqdm", "pandas", "seaborn", "matplotlib", "tensorboard",
+        "xdist"]
 missing = []
 for m in mods:
     try:

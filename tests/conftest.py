@@ -1,11 +1,16 @@
 """Fixtures: a real upstream YOLOv9 checkout (scripts/get_yolov9.sh) patched with this overlay, a small
 generated dataset, and float checkpoints of real upstream models. Built once per session and cached
-under tests/.cache (the checkout and the dataset are reused across sessions)."""
+under tests/.cache (the checkout and the dataset are reused across sessions).
+
+The suite runs in pytest-xdist workers (pytest.ini: `-n auto`, one test file per worker at a time), each with its
+share of the cores for its math threads and those of the processes it starts."""
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -14,16 +19,42 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("YOLOV9_QAT_TEST_CACHE", REPO / "tests" / ".cache"))
 CHECKOUT = CACHE / "yolov9"
 IMGSZ = 160
+MAX_WORKERS = 4  # each worker holds a few GB while its tests quantize and export
+# Read before upstream's utils/general.py is imported: it sets OMP_NUM_THREADS for the processes started after it
+# (cores - 1, up to 8) whatever runs beside them. More OpenMP threads than cores spin against each other (seen: a
+# step 20x slower), so each worker takes its share, unless the caller chose a count.
+THREADS = os.environ.get("OMP_NUM_THREADS") or str(
+    max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_share():
+    import torch
+    os.environ["OMP_NUM_THREADS"] = THREADS
+    torch.set_num_threads(int(THREADS))
 
 
 def _run(cmd, **kw):
     return subprocess.run(cmd, check=True, text=True, capture_output=True, **kw)
 
 
-def _build_checkout() -> Path:
+@contextmanager
+def _cache_lock():
+    """One process at a time builds what the cache holds: every xdist worker imports this file."""
     CACHE.mkdir(parents=True, exist_ok=True)
-    _run(["bash", str(REPO / "scripts" / "get_yolov9.sh"), str(CHECKOUT)])
-    _run(["bash", str(REPO / "patch_yolov9.sh"), str(CHECKOUT)])
+    with open(CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _build_checkout() -> Path:
+    with _cache_lock():
+        _run(["bash", str(REPO / "scripts" / "get_yolov9.sh"), str(CHECKOUT)])
+        _run(["bash", str(REPO / "patch_yolov9.sh"), str(CHECKOUT)])
     if str(CHECKOUT) not in sys.path:
         sys.path.insert(0, str(CHECKOUT))
     os.environ["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -43,9 +74,10 @@ def checkout() -> Path:
 def _demo(name: str, *args) -> Path:
     """A generated dataset under the cache (scripts/make_demo_dataset.py), made once."""
     out = CACHE / name
-    if not (out / "data.yaml").is_file():
-        _run([sys.executable, str(REPO / "scripts" / "make_demo_dataset.py"), "--out", str(out), *map(str, args),
-              "--exist-ok"])
+    with _cache_lock():
+        if not (out / "data.yaml").is_file():
+            _run([sys.executable, str(REPO / "scripts" / "make_demo_dataset.py"), "--out", str(out), *map(str, args),
+                  "--exist-ok"])
     return out / "data.yaml"
 
 
