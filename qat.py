@@ -76,6 +76,9 @@ def _select_flags(q):
 def _qat_flags(q):
     q.add_argument("--iters", type=int, default=200, help="QAT iterations per epoch (0: one pass over the images)")
     q.add_argument("--epochs", type=int, default=10, help="QAT epochs (0: PTQ only)")
+    q.add_argument("--float-epochs", type=int, default=0,
+                   help="the first N of --epochs fine-tune in float (one learning-rate schedule), then the ranges are "
+                        "calibrated anew and QAT continues from that PTQ model")
     q.add_argument("--recipe", choices=sorted(RECIPES), default="default",
                    help="QAT preset: default (measured best, docs/RESULTS.md) or reference (per-layer MSE, Adam 1e-5); "
                         "the flags below override single fields")

@@ -69,6 +69,7 @@ class RunConfig:
     select: SelectConfig = field(default_factory=SelectConfig)
     epochs: int = 10
     iters: int = 200                  # per epoch; 0: one pass over the training images
+    float_epochs: int = 0             # the first N epochs in float, then calibrated anew (one schedule over all)
     control: str = ""                 # float control: "all" quantizers disabled, or only "weights"/"activations"
     nms: NMSConfig = field(default_factory=NMSConfig)
     eval_origin: bool = True
@@ -82,6 +83,15 @@ class RunConfig:
             raise ValueError(f"--float-control must be one of {CONTROL_PARTS}, got {self.control!r}")
         if self.control and not self.epochs:
             raise ValueError("--float-control fine-tunes: it needs --epochs > 0")
+        if not 0 <= self.float_epochs < max(self.epochs, 1):
+            raise ValueError(f"--float-epochs {self.float_epochs}: must be >= 0 and leave QAT epochs of --epochs "
+                             f"{self.epochs}")
+        if self.float_epochs and self.control:
+            raise ValueError("--float-epochs with --float-control: the float control of a run with float epochs is "
+                             "the plain --float-control run (the same schedule)")
+        if self.float_epochs and (self.qat.learn_amax or self.qat.ema):
+            raise ValueError("--float-epochs calibrates the ranges anew after the float epochs: not with "
+                             "--learn-amax or --ema, whose learned ranges and averaged copy would not follow")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -265,35 +275,17 @@ class QuantizeRun:
         quantize_model(model, cfg.quant)
         report["quantizers"] = quantizer_counts(model)
         insert_s = time.perf_counter() - t0
-        world = inputs.world
-        loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=False, world=world)
-        n = min(cfg.quant.calib_batches, len(loader))  # global batches: each rank loads its share of each
-        seen: list[list[str]] = []
-        images = _images_noting_files(seeded_batches(loader, inputs.device, n, cfg.seed), seen)
         # the full control disables every quantizer: its ranges are never used, one cheap candidate is enough
         recipe = replace(cfg.quant, calib_method="max") if cfg.control == "all" else cfg.quant
-        progress = tqdm(images, total=n, desc=f"{PREFIX}calibrating", disable=not world.main)
-        stats = collect_statistics(model, recipe, progress, world)
-        t1 = time.perf_counter()
-        names, task = list(stats.candidates), inputs.task
-        if len(names) > 1:
-            chosen, results = choose_calibration(stats.apply, lambda name: self.measure(model, f"PTQ {name}"),
-                                                 task.score, names, world.broadcast)
-        else:
-            chosen = names[0]
-            stats.apply(chosen)
-            results = {chosen: self.measure(model, f"PTQ {chosen}") if cfg.eval_ptq else None}
-        scores = {k: None if v is None else round(task.score(v), 6) for k, v in results.items()}
-        # which images, in one process's order (a peer calibrates on the same): batch by batch, rank by rank
-        seen = [f for batch in zip(*world.all_gather(seen)) for share in batch for f in share]
+        calibration, results, seen = self.calibrate_ranges(model, recipe, "PTQ")
+        calibration["seconds"] = {"insert_quantizers": round(insert_s, 2), **calibration["seconds"]}
         report["calibration"] = {
             "method": "max (control: quantizers disabled)" if cfg.control == "all" else cfg.quant.calib_method,
-            "chosen": chosen, "candidates": scores, "images": len(seen),
-            "seconds": {"insert_quantizers": round(insert_s, 2), "collect": round(stats.collect_s, 2),
-                        "ranges": stats.amax_s, "ranges_and_evaluations": round(time.perf_counter() - t1, 2)}}
-        report["calibration_images"] = [Path(f).name for f in seen]
+            **calibration}
+        report["calibration_images"] = seen
+        chosen = calibration["chosen"]
         LOGGER.info(f"{PREFIX}{report['quantizers']['distinct']} quantizers calibrated on {len(seen)} images, "
-                    f"{_scores_line(scores, chosen)}")
+                    f"{_scores_line(calibration['candidates'], chosen)}")
         report["ptq"] = results[chosen]
         ptq_file = self.weights_dir / f"ptq_ap_{_ap_tag(report['ptq'])}_{self.stem}.pt"
         report["ptq_file"] = str(self.save(model, ptq_file, stage="ptq", metrics=report["ptq"]))
@@ -301,8 +293,37 @@ class QuantizeRun:
         if not cfg.control and report["ptq"] is not None:
             self.offer("ptq", 0, model, report["ptq"])
         self.save_report()
-        world.barrier()
+        inputs.world.barrier()
         return model
+
+    def calibrate_ranges(self, model: nn.Module, recipe: QuantRecipe, what: str
+                         ) -> tuple[dict, dict[str, dict | None], list[str]]:
+        """Statistics of the calibration images (the run's seeded sample of the fit images, the same every time),
+        every candidate range measured on select and the best applied. Returns the record for report.json, every
+        candidate's metrics and the calibration images' names, in one process's order. Every rank calls it."""
+        cfg, inputs, world = self.cfg, self.inputs, self.inputs.world
+        loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=False, world=world)
+        n = min(recipe.calib_batches, len(loader))  # global batches: each rank loads its share of each
+        seen: list[list[str]] = []
+        images = _images_noting_files(seeded_batches(loader, inputs.device, n, cfg.seed), seen)
+        progress = tqdm(images, total=n, desc=f"{PREFIX}calibrating", disable=not world.main)
+        stats = collect_statistics(model, recipe, progress, world)
+        t1 = time.perf_counter()
+        names, task = list(stats.candidates), inputs.task
+        if len(names) > 1:
+            chosen, results = choose_calibration(stats.apply, lambda name: self.measure(model, f"{what} {name}"),
+                                                 task.score, names, world.broadcast)
+        else:
+            chosen = names[0]
+            stats.apply(chosen)
+            results = {chosen: self.measure(model, f"{what} {chosen}") if cfg.eval_ptq else None}
+        scores = {k: None if v is None else round(task.score(v), 6) for k, v in results.items()}
+        # a peer calibrates on the same images: batch by batch, rank by rank
+        seen = [Path(f).name for batch in zip(*world.all_gather(seen)) for share in batch for f in share]
+        record = {"chosen": chosen, "candidates": scores, "images": len(seen),
+                  "seconds": {"collect": round(stats.collect_s, 2), "ranges": stats.amax_s,
+                              "ranges_and_evaluations": round(time.perf_counter() - t1, 2)}}
+        return record, results, seen
 
     def offer(self, stage: str, epoch: int, model: nn.Module, metrics: dict) -> None:
         """`model` becomes the delivered one (weights/best_{stem}.pt) where it beats the current one on select; the
@@ -324,34 +345,62 @@ class QuantizeRun:
         state = read_checkpoint(state_file, flag="--resume") if state_file.is_file() else None
         if state is not None:
             model = state["model"].to(inputs.device)
-        for q in controlled_quantizers(model, cfg.control):
+        world = inputs.world
+        start = 0 if state is None else state["epoch"]
+        # the float epochs train with every quantizer off; the saved state past them has them on, recalibrated
+        for q in controlled_quantizers(model, cfg.control or ("all" if start < cfg.float_epochs else "")):
             q.disable()
         if cfg.qat.learn_amax:
             learnable_amax_parameters(model)
-        stage = "control" if cfg.control else "qat"
-        world = inputs.world
         loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=True, world=world)
         iters = cfg.iters or math.ceil(len(loader.dataset) / cfg.batch_size)  # 0: one pass over the images
         forward = data_parallel(model, world, inputs.device)
         with QATObjective(cfg.qat, model, teacher, inputs.hyp_dict, forward) as objective:
             tuner = FineTuner(objective, cfg.epochs, iters, amp=inputs.device.type == "cuda")
-            start = 0
             if state is not None:
                 tuner.load_state(state, inputs.device)
-                start = state["epoch"]
             # epochs past the saved state are run again (seeded: the same); their entries would be duplicates
             report["qat"] = report.get("qat", [])[:start]
-            report["qat_best"] = max(report["qat"], key=inputs.task.score, default=None)
+            report["qat_best"] = max((e for e in report["qat"] if e.get("stage") != "float"), key=inputs.task.score,
+                                     default=None)
+            if report.get("recalibrated", {}).get("epoch", 0) > start:
+                report.pop("recalibrated")
             self.rewind_final(start)
             for epoch in range(start, cfg.epochs):
                 t0 = time.perf_counter()
                 batches = seeded_batches(loader, inputs.device, iters, seed=cfg.seed + 1 + epoch)
+                stage = self.stage_of(epoch + 1)
                 desc = f"{PREFIX}{stage} epoch {epoch + 1}/{cfg.epochs}" if world.main else ""  # one progress bar
                 losses = tuner.epoch(batches, desc)
                 if world.main:
                     self.end_epoch(epoch + 1, tuner, losses, time.perf_counter() - t0)
+                if epoch + 1 == cfg.float_epochs:
+                    self.recalibrate(model, epoch + 1)
+                if world.main:
                     save_checkpoint(model, state_file, epoch=epoch + 1, **tuner.state())
                 world.barrier()
+
+    def stage_of(self, epoch: int) -> str:
+        """What fine-tuning epoch `epoch` (from 1) is: a float control's, a float epoch before QAT, or QAT."""
+        return "control" if self.cfg.control else "float" if epoch <= self.cfg.float_epochs else "qat"
+
+    def recalibrate(self, model: nn.Module, epoch: int) -> None:
+        """After the float epochs: every quantizer on again, ranges calibrated anew for the fine-tuned weights (the
+        run's method, the same images), the result offered like the first PTQ model. QAT continues from it."""
+        for q in controlled_quantizers(model, "all"):
+            q.enable()
+        record, results, _ = self.calibrate_ranges(model, self.cfg.quant, f"PTQ after epoch {epoch}")
+        metrics = results[record["chosen"]]
+        if not self.inputs.world.main:
+            return
+        LOGGER.info(f"{PREFIX}recalibrated after {epoch} float epoch(s): "
+                    f"{_scores_line(record['candidates'], record['chosen'])}")
+        f = self.save(model, self.weights_dir / f"ptq_ep_{epoch}_ap_{_ap_tag(metrics)}_{self.stem}.pt",
+                      stage="ptq", epoch=epoch, metrics=metrics)
+        self.report["recalibrated"] = {"epoch": epoch, **record, "metrics": metrics, "file": str(f)}
+        if metrics is not None:
+            self.offer("ptq", epoch, model, metrics)
+        self.save_report()
 
     def rewind_final(self, start: int) -> None:
         """After a resume from epoch `start`: the delivered model as it was then (later epochs are run again)."""
@@ -360,26 +409,33 @@ class QuantizeRun:
             return
         self.report.pop("final")
         stages = [("ptq", 0, self.report.get("ptq"), self.report["ptq_file"])] if not self.cfg.control else []
-        stages += [(final["stage"], e["epoch"], self.inputs.task.metrics(e), e["file"]) for e in self.report["qat"]]
+        recalibrated = self.report.get("recalibrated")
+        if recalibrated is not None:
+            stages.append(("ptq", recalibrated["epoch"], recalibrated["metrics"], recalibrated["file"]))
+        stages += [(e.get("stage", final["stage"]), e["epoch"], self.inputs.task.metrics(e), e["file"])
+                   for e in self.report["qat"] if e.get("stage") != "float"]
         for stage, epoch, metrics, file in stages:
             if metrics is not None:
                 self.offer(stage, epoch, load_quantized_model(file, self.inputs.device), metrics)
 
     def end_epoch(self, epoch: int, tuner: FineTuner, losses: dict, train_s: float) -> None:
-        report, trained = self.report, tuner.trained
+        report, trained, stage = self.report, tuner.trained, self.stage_of(epoch)
         metrics = self.measure(trained, f"epoch {epoch}")
-        f = self.weights_dir / f"qat_ep_{epoch}_ap_{_ap_tag(metrics)}_{self.stem}.pt"
-        save_checkpoint(trained, f, stage="qat", epoch=epoch, metrics=metrics)
-        entry = {"epoch": epoch, **{k: round(v, 6) for k, v in losses.items()},
+        f = self.weights_dir / f"{'float' if stage == 'float' else 'qat'}_ep_{epoch}_ap_{_ap_tag(metrics)}_{self.stem}.pt"
+        save_checkpoint(trained, f, stage=stage, epoch=epoch, metrics=metrics)
+        entry = {"epoch": epoch, "stage": stage, **{k: round(v, 6) for k, v in losses.items()},
                  "lr_end": tuner.optimizer.param_groups[0]["lr"], "train_s": round(train_s, 2), **metrics,
                  "file": str(f)}
         report["qat"].append(entry)
+        if stage == "float":  # a float model: measured, never delivered
+            self.save_report()
+            return
         best = report.get("qat_best")
         if best is None or self.inputs.task.score(metrics) > self.inputs.task.score(best):
             report["qat_best"] = entry
             report["qat_best_file"] = str(save_checkpoint(trained, self.weights_dir / f"qat_best_{self.stem}.pt",
                                                           stage="qat", epoch=epoch, metrics=metrics))
-        self.offer("control" if self.cfg.control else "qat", epoch, trained, metrics)
+        self.offer(stage, epoch, trained, metrics)
         # report first: a kill between the two repeats this epoch (the same, it is seeded) rather than lose it
         self.save_report()
 
@@ -398,7 +454,10 @@ class QuantizeRun:
             self.cfg.control, f"fine-tune with {self.cfg.control} in float, best (control)")
         chosen = report["calibration"]["chosen"]
         val = report.get("val", {})
+        recalibrated = report.get("recalibrated") or {}
         rows = [("Origin (PyTorch), select", report.get("origin")), (f"PTQ {chosen}, select", report.get("ptq")),
+                (f"PTQ {recalibrated.get('chosen')} after {recalibrated.get('epoch')} float epochs, select",
+                 recalibrated.get("metrics")),
                 (f"{fine_tuned}, select", None if best is None else task.metrics(best)),
                 ("Delivered, select", None if final is None else task.metrics(final)),
                 ("Origin (PyTorch), val", val.get("origin")), ("Delivered, val", val.get("final"))]

@@ -137,8 +137,48 @@ def test_float_control_parts_parse_and_old_reports_resume(gelan_t_weights, demo_
     assert r.returncode == 2 and "--float-control" in r.stderr and "invalid choice" in r.stderr
     r = call_cli("qat.py", *base[:-1], "0", "--float-control", "weights")
     assert r.returncode == 2 and "--float-control fine-tunes" in r.stderr
+    for extra, expect in ((["--float-epochs", "1"], "--float-epochs 1: must be >= 0 and leave QAT epochs"),
+                          (["--float-epochs", "-1"], "--float-epochs -1"),
+                          (["--epochs", "3", "--float-epochs", "1", "--float-control"], "the plain --float-control"),
+                          (["--epochs", "3", "--float-epochs", "1", "--ema", "0.99"], "not with --learn-amax or --ema")):
+        r = call_cli("qat.py", *base, *extra)
+        errors = [line for line in r.stderr.splitlines() if "error:" in line]
+        assert r.returncode == 2 and len(errors) == 1 and expect in errors[0], r.stderr[-2000:]
     for old, part in ((True, "all"), (False, "")):
         assert RunConfig.from_dict({**cfg.to_dict(), "control": old}).control == part
+
+
+def test_float_epochs_are_the_controls_then_qat_continues_from_a_new_calibration(demo_data320, tmp_path):
+    """--float-epochs 1 of 2: epoch 1 is the float control's epoch 1 (same loss, same select mAP: one schedule, the
+    same data); then every quantizer is on again with ranges calibrated anew on the fine-tuned weights (auto, the
+    same images), offered like the first PTQ model; QAT continues from it; the float epoch is never delivered."""
+    from models.checkpoint import read_checkpoint
+    from models.quantize import named_quantizers
+    args = ["quantize", "--weights", TRAINED_T, "--data", demo_data320, *TRAINED_RUN, "--epochs", 2, "--iters", 2,
+            "--calib-batches", 2, "--project", tmp_path]
+    runs = {}
+    for name, extra in (("first", ["--float-epochs", 1]), ("control", ["--float-control"])):
+        r = run_cli("qat.py", *args, "--name", name, *extra)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "report.json").read_text())
+    report, control = runs["first"], runs["control"]
+    assert [e["stage"] for e in report["qat"]] == ["float", "qat"]
+    first, float_epoch = report["qat"][0], control["qat"][0]
+    assert first["loss"] == pytest.approx(float_epoch["loss"], rel=1e-5) and first["ap"] == float_epoch["ap"]
+    trained = read_checkpoint(first["file"])["model"]
+    assert all(q._disabled for _, q in named_quantizers(trained))
+    again = report["recalibrated"]
+    assert again["epoch"] == 1 and again["chosen"] == max(again["candidates"], key=again["candidates"].get)
+    assert again["images"] == report["calibration"]["images"]
+    before = dict(named_quantizers(read_checkpoint(report["ptq_file"])["model"], activations_only=True))
+    after = dict(named_quantizers(read_checkpoint(again["file"])["model"], activations_only=True))
+    assert before.keys() == after.keys() and not any(q._disabled for q in after.values())
+    assert any(float(after[k].amax) != float(before[k].amax) for k in before)  # the weights moved: new ranges
+    offered = [("ptq", 0, report["ptq"]["ap"]), ("ptq", 1, again["metrics"]["ap"]),
+               ("qat", 2, report["qat"][1]["ap"])]
+    final = report["final"]
+    assert (final["stage"], final["epoch"], final["ap"]) == max(offered, key=lambda t: t[2])
+    assert report["qat_best"]["epoch"] == 2
 
 
 def test_sensitive_ranks_layers(gelan_t_weights, demo_data, tmp_path):
