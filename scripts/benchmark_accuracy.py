@@ -656,6 +656,45 @@ def partial_control_table(out: Path) -> str:
     return "\n\n".join(parts) if parts else "No partial control recorded yet."
 
 
+def float_first_table(out: Path) -> str:
+    """Whether a float fine-tune's gain survives INT8: `qat.py quantize --float-epochs F` runs
+    (OUT/<dataset>/<model>/float-first/*.json, their report.json files): the float model after F epochs (the float
+    control's first F), PTQ of it (auto), the QAT epochs after it and the delivered model, beside the entry's default
+    runs (F = 0: PTQ of the float model as trained) of the same select split and settings."""
+    parts = []
+    for folder in sorted(out.glob("*/*/float-first")):
+        e = json.loads((folder.parent / "entry.json").read_text())
+        rows: dict[int, dict[str, list[float]]] = {0: {
+            "float": [e["fp"]["select"]["ap"]] * len(e["qat"]),
+            "ptq": [r["auto"]["candidates"][r["auto"]["chosen"]] for r in e["qat"].values()],
+            "qat": [max(r["select_by_epoch"]) for r in e["qat"].values()],
+            "delivered": [max(r["auto"]["candidates"][r["auto"]["chosen"]], *r["select_by_epoch"])
+                          for r in e["qat"].values()],
+            "val": [r["val_final"]["ap"] for r in e["qat"].values()]}}
+        for f in sorted(folder.glob("*.json")):
+            r = json.loads(f.read_text())
+            if _partial_settings(r) != _partial_settings(e) or not r.get("finished"):
+                raise ValueError(f"{f}: not a finished run with the entry's settings ({_partial_settings(r)} vs "
+                                 f"{_partial_settings(e)}): its numbers are not comparable")
+            k, epochs = r["config"]["float_epochs"], r["qat"]
+            row = rows.setdefault(k, {})
+            for column, value in (("float", epochs[k - 1]["ap"]), ("ptq", r["recalibrated"]["metrics"]["ap"]),
+                                  ("qat", max(x["ap"] for x in epochs if x["stage"] == "qat")),
+                                  ("delivered", r["final"]["ap"]), ("val", r["val"]["final"]["ap"])):
+                row.setdefault(column, []).append(value)
+        lines = [f"**{e['model']}** on {e['dataset']}, select split ({e['provenance']['split']['images']['select']} "
+                 f"images), {e['settings']['qat_epochs']} x {e['settings']['iters']} iterations, 3 seeds", "",
+                 "| Float epochs before PTQ | Float model, select | PTQ (auto), select | PTQ - float | "
+                 "QAT after it, best epoch | Delivered, select | Delivered, val |", "|---|---|---|---|---|---|---|"]
+        for k, row in sorted(rows.items()):
+            c = {column: spread(values) for column, values in row.items()}
+            lines.append(f"| {k}{' (the default command)' if not k else ''} | {fmt(c['float'])} | {fmt(c['ptq'])} | "
+                         f"{fmt_difference(difference(c['ptq'], c['float']))} | {fmt(c['qat'])} | "
+                         f"{fmt(c['delivered'])} | {fmt(c['val'])} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) if parts else "No float-first run recorded yet."
+
+
 def rendered(out: Path, docs: bool) -> dict[Path, dict[str, str]]:
     """Every rendered block, by file: OUT/accuracy.md, and with `docs` this repository's docs/RESULTS.md and
     README.md (nothing outside --out otherwise)."""
@@ -665,7 +704,8 @@ def rendered(out: Path, docs: bool) -> dict[Path, dict[str, str]]:
     if docs:
         files[REPO / "docs" / "RESULTS.md"] = {"accuracy": accuracy, "float-training": training_table(out),
                                                "ablation": ablation_table(out), "costs": costs_table(out),
-                                               "partial-control": partial_control_table(out)}
+                                               "partial-control": partial_control_table(out),
+                                               "float-first": float_first_table(out)}
         files[REPO / "README.md"] = {"accuracy": accuracy, "demo": demo_table(out)}
     return files
 

@@ -242,6 +242,31 @@ def test_partial_controls_sit_only_beside_runs_of_the_same_settings(tmp_path):
         bench.partial_control_table(tmp_path)
 
 
+def test_float_first_runs_sit_beside_the_default_runs_of_the_same_settings(tmp_path):
+    """The float-first table: per number of float epochs, the float model, PTQ of it and the delivered model over
+    the seeds, the entry's default runs as 0; an unfinished report or one with other settings is refused."""
+    import shutil
+    call_cli("scripts/benchmark_accuracy.py", "--render", "--check")  # loads the script as a module
+    bench = sys.modules["cli_benchmark_accuracy"]
+    src, dst = REPO / "results" / "helmet" / "gelan-s", tmp_path / "helmet" / "gelan-s"
+    shutil.copytree(src / "float-first", dst / "float-first")
+    shutil.copy(src / "entry.json", dst / "entry.json")
+    reports = [json.loads(f.read_text()) for f in sorted((dst / "float-first").glob("float-2-*.json"))]
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
+            for line in bench.float_first_table(tmp_path).splitlines() if line.startswith("| ")}
+    ptq = sum(r["recalibrated"]["metrics"]["ap"] for r in reports) / len(reports)
+    float_model = sum(r["qat"][1]["ap"] for r in reports) / len(reports)
+    assert rows["2"][1].startswith(f"{float_model:.4f} ± ") and rows["2"][2].startswith(f"{ptq:.4f} ± ")
+    assert rows["2"][3].startswith(f"{ptq - float_model:+.4f}")
+    assert list(rows)[1:] == ["0 (the default command)", "2", "4"]
+    changed = dst / "float-first" / "float-4-seed1.json"
+    report = json.loads(changed.read_text())
+    for edit in ({"finished": False}, {"config": {**report["config"], "imgsz": 640}}):
+        changed.write_text(json.dumps({**report, **edit}))
+        with pytest.raises(ValueError, match="not comparable"):
+            bench.float_first_table(tmp_path)
+
+
 def test_published_results_are_what_their_json_renders_to():
     """README.md, docs/RESULTS.md and results/accuracy.md hold the tables the results JSON renders to: nothing
     edited by hand (CI runs this check)."""
