@@ -695,6 +695,44 @@ def float_first_table(out: Path) -> str:
     return "\n\n".join(parts) if parts else "No float-first run recorded yet."
 
 
+def longer_table(out: Path) -> str:
+    """QAT and its float control over more epochs: `qat.py quantize --epochs N` runs, with and without
+    `--float-control` (OUT/<dataset>/<model>/longer/*.json, their report.json files), beside the entry's runs of the
+    same select split and settings but its number of epochs; delivered models (best on select) on select and val."""
+    parts = []
+    for folder in sorted(out.glob("*/*/longer")):
+        e = json.loads((folder.parent / "entry.json").read_text())
+        same = {k: v for k, v in _partial_settings(e).items() if k != "epochs"}
+        runs: dict[int, dict[str, dict[str, list[float]]]] = {e["settings"]["qat_epochs"]: {
+            "qat": {"select": [max(r["auto"]["candidates"][r["auto"]["chosen"]], *r["select_by_epoch"])
+                               for r in e["qat"].values()],
+                    "val": [r["val_final"]["ap"] for r in e["qat"].values()]},
+            "control": {"select": [max(r["select_by_epoch"]) for r in e["fp_ft"].values()],
+                        "val": [r["val_best"]["ap"] for r in e["fp_ft"].values()]}}}
+        for f in sorted(folder.glob("*.json")):
+            r = json.loads(f.read_text())
+            settings = _partial_settings(r)
+            if {k: v for k, v in settings.items() if k != "epochs"} != same or not r.get("finished"):
+                raise ValueError(f"{f}: not a finished run with the entry's settings ({settings} vs {same}): its "
+                                 "numbers are not comparable")
+            arm = runs.setdefault(settings["epochs"], {}).setdefault("control" if r["config"]["control"] else "qat", {})
+            arm.setdefault("select", []).append(r["final"]["ap"])
+            arm.setdefault("val", []).append(r["val"]["final"]["ap"])
+        fp = {"mean": e["fp"]["val"]["ap"], "std": 0.0, "n": 1, "values": [e["fp"]["val"]["ap"]], "fixed": True}
+        lines = [f"**{e['model']}** on {e['dataset']}, select split ({e['provenance']['split']['images']['select']} "
+                 f"images), {e['settings']['iters']} iterations per epoch, delivered models (best on select)", "",
+                 "| Epochs | QAT, select | Float control, select | QAT - control, select | QAT, val | "
+                 "Float control, val | QAT - control, val | QAT - float model, val |", "|---|---|---|---|---|---|---|---|"]
+        for epochs, arms in sorted(runs.items()):
+            q, c = ({k: spread(v) for k, v in arms[a].items()} for a in ("qat", "control"))
+            lines.append(f"| {epochs}{' (the entry)' if epochs == e['settings']['qat_epochs'] else ''} | "
+                         f"{fmt(q['select'])} | {fmt(c['select'])} | "
+                         f"{fmt_difference(difference(q['select'], c['select']))} | {fmt(q['val'])} | {fmt(c['val'])} | "
+                         f"{fmt_difference(difference(q['val'], c['val']))} | {fmt_difference(difference(q['val'], fp))} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) if parts else "No longer run recorded yet."
+
+
 def rendered(out: Path, docs: bool) -> dict[Path, dict[str, str]]:
     """Every rendered block, by file: OUT/accuracy.md, and with `docs` this repository's docs/RESULTS.md and
     README.md (nothing outside --out otherwise)."""
@@ -705,7 +743,8 @@ def rendered(out: Path, docs: bool) -> dict[Path, dict[str, str]]:
         files[REPO / "docs" / "RESULTS.md"] = {"accuracy": accuracy, "float-training": training_table(out),
                                                "ablation": ablation_table(out), "costs": costs_table(out),
                                                "partial-control": partial_control_table(out),
-                                               "float-first": float_first_table(out)}
+                                               "float-first": float_first_table(out),
+                                               "longer": longer_table(out)}
         files[REPO / "README.md"] = {"accuracy": accuracy, "demo": demo_table(out)}
     return files
 

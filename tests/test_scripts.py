@@ -267,6 +267,32 @@ def test_float_first_runs_sit_beside_the_default_runs_of_the_same_settings(tmp_p
             bench.float_first_table(tmp_path)
 
 
+def test_longer_runs_sit_beside_the_entry_by_epochs(tmp_path):
+    """The longer-runs table: one row per number of epochs, QAT and its float control each over their seeds (the
+    entry's own runs as its row); a run with other settings than the entry's, epochs aside, is refused."""
+    import shutil
+    call_cli("scripts/benchmark_accuracy.py", "--render", "--check")  # loads the script as a module
+    bench = sys.modules["cli_benchmark_accuracy"]
+    src, dst = REPO / "results" / "helmet" / "gelan-s", tmp_path / "helmet" / "gelan-s"
+    shutil.copytree(src / "longer", dst / "longer")
+    shutil.copy(src / "entry.json", dst / "entry.json")
+    reports = [json.loads(f.read_text()) for f in sorted((dst / "longer").glob("*.json"))]
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
+            for line in bench.longer_table(tmp_path).splitlines() if line.startswith("| ")}
+    epochs = {r["config"]["epochs"] for r in reports}
+    assert len(epochs) == 1 and list(rows)[1:] == ["5 (the entry)", str(*epochs)]
+    qat_val = [r["val"]["final"]["ap"] for r in reports if not r["config"]["control"]]
+    control_val = [r["val"]["final"]["ap"] for r in reports if r["config"]["control"]]
+    row = rows[str(*epochs)]
+    assert row[4].startswith(f"{sum(qat_val) / len(qat_val):.4f} ± ") and len(qat_val) == len(control_val) == 3
+    assert row[6].startswith(f"{sum(qat_val) / 3 - sum(control_val) / 3:+.4f}")
+    changed = sorted((dst / "longer").glob("*.json"))[0]
+    report = json.loads(changed.read_text())
+    changed.write_text(json.dumps({**report, "config": {**report["config"], "batch_size": 16}}))
+    with pytest.raises(ValueError, match="not comparable"):
+        bench.longer_table(tmp_path)
+
+
 def test_published_results_are_what_their_json_renders_to():
     """README.md, docs/RESULTS.md and results/accuracy.md hold the tables the results JSON renders to: nothing
     edited by hand (CI runs this check)."""
