@@ -2,7 +2,8 @@
 GPUs, gloo on CPUs), as upstream YOLOv9 trains.
 
 - Data: each rank loads only its share of every global batch of one seeded order (utils/batches.py `RankBatches`):
-  together the ranks of a step hold one process's batch.
+  together the ranks of a step hold one process's batch, each image augmented as one process augments it
+  (`SeededItems`: seeded by the image, not by the worker).
 - Calibration: each rank collects statistics on its share of the calibration batches; the statistics are then
   combined (histograms summed on one grid, maxima reduced), so every rank holds the same quantizers, equal to those
   of one process calibrating on the union of the same batches, whatever the per-rank batch size: a histogram's

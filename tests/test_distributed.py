@@ -62,25 +62,32 @@ def test_histograms_combined_across_ranks_equal_one_process(tmp_path):
 
 
 def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data):
-    """Two ranks with 2 images each against one process with the global batch of 4, all seeded alike: each rank's
-    loader produces only its own 2 images a step (no rank loads another's), and the two shares of every step are
-    exactly the images of the one-process step, in order."""
+    """Two ranks with 2 images each against one process with the global batch of 4, all seeded alike, with
+    upstream's augmentation: each rank's loader produces only its own 2 images a step (no rank loads another's), and
+    the two shares of every step are exactly the images of the one-process step, in order and pixel for pixel, though
+    one process loads in 2 workers and the ranks in none (each item's augmentation is seeded by its index); a new pass
+    over the images gets a new order and new augmentations."""
     from models.task import DETECT
-    from utils.batches import load_data, rank_loader, seeded_batches
-    data = load_data(demo_data)
+    from utils.batches import load_data, load_hyp, rank_loader, seeded_batches
+    data, hyp = load_data(demo_data), load_hyp(CHECKOUT / "data" / "hyps" / "hyp.scratch-high.yaml")
 
-    def loader(batch_size):
-        made, _ = DETECT.dataloader(data["train"], IMGSZ, batch_size, 32, augment=False, workers=0, shuffle=True,
-                                    close_mosaic=True)
+    def loader(batch_size, workers):
+        made, _ = DETECT.dataloader(data["train"], IMGSZ, batch_size, 32, augment=True, hyp=hyp, workers=workers,
+                                    shuffle=True, close_mosaic=True)
         return made
 
-    steps = 5
-    one = [b.paths for b in seeded_batches(loader(4), torch.device("cpu"), steps, seed=7)]
-    ranks = [[b.paths for b in seeded_batches(rank_loader(loader(2), 2, r), torch.device("cpu"), steps, seed=7)]
-             for r in (0, 1)]
-    assert [sum(len(p) for p in shares) for shares in ranks] == [2 * steps, 2 * steps]  # each its share only
-    assert [r0 + r1 for r0, r1 in zip(*ranks)] == one
-    assert not set(ranks[0][0]) & set(ranks[1][0])
+    steps = 8  # 24 images: two passes of 6 steps of 4
+    one = list(seeded_batches(rank_loader(loader(4, 2), 1, 0), torch.device("cpu"), steps, seed=7))
+    ranks = [list(seeded_batches(rank_loader(loader(2, 0), 2, r), torch.device("cpu"), steps, seed=7)) for r in (0, 1)]
+    assert [sum(len(b.paths) for b in shares) for shares in ranks] == [2 * steps, 2 * steps]  # each its share only
+    assert [r0.paths + r1.paths for r0, r1 in zip(*ranks)] == [b.paths for b in one]
+    assert not set(ranks[0][0].paths) & set(ranks[1][0].paths)
+    for r0, r1, b in zip(*ranks, one):
+        assert torch.equal(torch.cat([r0.images, r1.images]), b.images)
+    again = {p: im for b in one[6:] for p, im in zip(b.paths, b.images)}  # the second pass
+    first = {p: im for b in one[:6] for p, im in zip(b.paths, b.images)}
+    assert [b.paths for b in one[6:]] != [b.paths for b in one[:2]]
+    assert not all(torch.equal(first[p], im) for p, im in again.items())
 
 
 def _torchrun(*args, cwd=CHECKOUT, timeout=900):

@@ -2,9 +2,11 @@
 of batches from upstream's loaders."""
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
+import numpy as np
 import torch
 import yaml
 
@@ -29,15 +31,28 @@ def load_hyp(hyp: str | Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def cycle(loader, n: int) -> Iterator:
-    """`n` batches of `loader`, starting a new pass when one ends."""
-    it = iter(loader)
-    for _ in range(n):
-        try:
-            yield next(it)
-        except StopIteration:
-            it = iter(loader)
-            yield next(it)
+class SeededItems(torch.utils.data.Dataset):
+    """`dataset` with every item's random draws (augmentation, mosaic partners) seeded by (stream, pass, index):
+    an image comes out the same whichever worker, how many workers, or which of several processes loads it.
+    Upstream seeds each worker instead, so its augmentations change with --workers and the number of ranks."""
+
+    def __init__(self, dataset):
+        self.dataset, self.stream = dataset, (0, 0)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        seed = int(np.random.SeedSequence([v & 0xFFFFFFFF for v in (*self.stream, index)]).generate_state(1)[0])
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        return self.dataset[index]
+
+    def __getattr__(self, name: str):  # upstream's attributes (labels, shapes, collate_fn) pass through
+        if name == "dataset":  # not set yet (unpickling in a worker): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 class RankBatches(torch.utils.data.Sampler):
@@ -65,12 +80,11 @@ class RankBatches(torch.utils.data.Sampler):
 
 
 def rank_loader(loader, world_size: int, rank: int):
-    """`loader` (upstream's, shuffling, of this rank's batch size) loading only this rank's share of each global
-    batch (`RankBatches`); the loader itself in one process."""
-    if world_size == 1:
-        return loader
-    sampler = RankBatches(len(loader.dataset), loader.batch_size, world_size, rank, loader.generator)
-    return torch.utils.data.DataLoader(loader.dataset, batch_sampler=sampler, num_workers=loader.num_workers,
+    """`loader` (upstream's, shuffling, of this rank's batch size) over `SeededItems`, loading only this rank's share
+    of each global batch (`RankBatches`; one process is the job of one rank, drawing its orders the same way)."""
+    items = SeededItems(loader.dataset)
+    sampler = RankBatches(len(items), loader.batch_size, world_size, rank, loader.generator)
+    return torch.utils.data.DataLoader(items, batch_sampler=sampler, num_workers=loader.num_workers,
                                        pin_memory=loader.pin_memory, collate_fn=loader.collate_fn,
                                        worker_init_fn=loader.worker_init_fn, generator=loader.generator)
 
@@ -83,13 +97,24 @@ class Batch(NamedTuple):
 
 
 def seeded_batches(loader, device: torch.device, n: int, seed: int) -> Iterator[Batch]:
-    """`n` batches in an order and with augmentations that depend on `seed` only: an epoch seeded by (run seed,
-    epoch) is the same whether or not the run was interrupted and resumed before it, and a calibration sample is
-    chosen by the run's seed."""
-    init_seeds(seed, deterministic=False)  # augmentations drawn in this process (workers=0)
+    """`n` batches in an order and with augmentations that depend on `seed` only (over `SeededItems`, not on the
+    workers or processes either): an epoch seeded by (run seed, epoch) is the same whether or not the run was
+    interrupted and resumed before it, and a calibration sample is chosen by the run's seed. A pass over the images
+    ends before `n` batches: the next pass has a new order and new augmentations."""
+    if len(loader) == 0:
+        raise ValueError("the loader has no batch: fewer images than one batch")
+    init_seeds(seed, deterministic=False)  # draws in this process, outside the items
     generator = getattr(loader, "generator", None)
-    if generator is not None:  # shuffling and the workers' seeds
+    if generator is not None:  # shuffling
         generator.manual_seed(seed)
-    for batch in cycle(loader, n):
-        masks = batch[4] if len(batch) > 4 else None
-        yield Batch(batch[0].to(device, non_blocking=True).float() / 255, batch[1], masks, tuple(batch[2]))
+    made, passes = 0, 0
+    while made < n:
+        if isinstance(loader.dataset, SeededItems):
+            loader.dataset.stream = (seed, passes)
+        for batch in loader:
+            masks = batch[4] if len(batch) > 4 else None
+            yield Batch(batch[0].to(device, non_blocking=True).float() / 255, batch[1], masks, tuple(batch[2]))
+            made += 1
+            if made == n:
+                return
+        passes += 1
