@@ -216,15 +216,21 @@ def test_benchmark_folders_are_named_by_what_decides_their_numbers():
     assert bench._result_args(args) == ["--weights", "w.pt", "--seed", "1", "--lr", "3e-5"]
 
 
+def _published_runs(tmp_path, folder: str):
+    """The benchmark script as a module, and a copy of helmet gelan-s's entry with its published `folder` of runs
+    under tmp_path (the tables read an --out folder)."""
+    import shutil
+    call_cli("scripts/benchmark_accuracy.py", "--render", "--check")  # loads the script as a module
+    src, dst = REPO / "results" / "helmet" / "gelan-s", tmp_path / "helmet" / "gelan-s"
+    shutil.copytree(src / folder, dst / folder)
+    shutil.copy(src / "entry.json", dst / "entry.json")
+    return sys.modules["cli_benchmark_accuracy"], dst
+
+
 def test_partial_controls_sit_only_beside_runs_of_the_same_settings(tmp_path):
     """The partial-control table sets qat.py reports beside their entry's QAT and float control, each part's best
     and last epoch over its seeds; a report made with other settings than the entry's is refused, not compared."""
-    import shutil
-    call_cli("scripts/benchmark_accuracy.py", "--render", "--check")  # loads the script as a module
-    bench = sys.modules["cli_benchmark_accuracy"]
-    src, dst = REPO / "results" / "helmet" / "gelan-s", tmp_path / "helmet" / "gelan-s"
-    shutil.copytree(src / "partial-control", dst / "partial-control")
-    shutil.copy(src / "entry.json", dst / "entry.json")
+    bench, dst = _published_runs(tmp_path, "partial-control")
     entry = json.loads((dst / "entry.json").read_text())
     reports = [json.loads(f.read_text()) for f in sorted((dst / "partial-control").glob("*.json"))]
     table = bench.partial_control_table(tmp_path)
@@ -245,12 +251,7 @@ def test_partial_controls_sit_only_beside_runs_of_the_same_settings(tmp_path):
 def test_float_first_runs_sit_beside_the_default_runs_of_the_same_settings(tmp_path):
     """The float-first table: per number of float epochs, the float model, PTQ of it and the delivered model over
     the seeds, the entry's default runs as 0; an unfinished report or one with other settings is refused."""
-    import shutil
-    call_cli("scripts/benchmark_accuracy.py", "--render", "--check")  # loads the script as a module
-    bench = sys.modules["cli_benchmark_accuracy"]
-    src, dst = REPO / "results" / "helmet" / "gelan-s", tmp_path / "helmet" / "gelan-s"
-    shutil.copytree(src / "float-first", dst / "float-first")
-    shutil.copy(src / "entry.json", dst / "entry.json")
+    bench, dst = _published_runs(tmp_path, "float-first")
     reports = [json.loads(f.read_text()) for f in sorted((dst / "float-first").glob("float-2-*.json"))]
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
             for line in bench.float_first_table(tmp_path).splitlines() if line.startswith("| ")}
@@ -270,12 +271,7 @@ def test_float_first_runs_sit_beside_the_default_runs_of_the_same_settings(tmp_p
 def test_longer_runs_sit_beside_the_entry_by_epochs(tmp_path):
     """The longer-runs table: one row per number of epochs, QAT and its float control each over their seeds (the
     entry's own runs as its row); a run with other settings than the entry's, epochs aside, is refused."""
-    import shutil
-    call_cli("scripts/benchmark_accuracy.py", "--render", "--check")  # loads the script as a module
-    bench = sys.modules["cli_benchmark_accuracy"]
-    src, dst = REPO / "results" / "helmet" / "gelan-s", tmp_path / "helmet" / "gelan-s"
-    shutil.copytree(src / "longer", dst / "longer")
-    shutil.copy(src / "entry.json", dst / "entry.json")
+    bench, dst = _published_runs(tmp_path, "longer")
     reports = [json.loads(f.read_text()) for f in sorted((dst / "longer").glob("*.json"))]
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
             for line in bench.longer_table(tmp_path).splitlines() if line.startswith("| ")}
