@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine, offline: install, build an upstream YOLOv9 checkout, patch it, generate the
 # demo dataset, quantize the embedded trained model (PTQ calibration, then QAT), export the Q/DQ ONNX, check it
-# against PyTorch and measure its mAP with ONNX Runtime. About 5 minutes on 2 CPU cores after installation.
+# against PyTorch and measure its mAP with ONNX Runtime. 5-10 minutes on 2 CPU cores after installation.
 #   bash scripts/demo.sh [--skip-install]
 # The embedded model, assets/gelan-t-demo.pt, is gelan-t trained with upstream train.py on exactly this dataset
 # (60 epochs at 320 px on an H100; the generator writes the same images on every machine, see
