@@ -612,8 +612,8 @@ PARTS = {"": "weights and activations (QAT, the default command)", "weights": "a
          "activations": "weights only (activations float)", "all": "nothing (the float control)"}
 
 
-def _partial_settings(run: dict) -> dict:
-    """What must match for a partial control to sit beside an entry's QAT: select images, size, batch, schedule."""
+def _run_settings(run: dict) -> dict:
+    """What must match for a kept run to sit beside an entry's runs: select images, size, batch, schedule."""
     if "config" in run:  # a qat.py report.json
         c = run["config"]
         return {"select": run["select"]["fingerprint"], "imgsz": c["imgsz"], "batch_size": c["batch_size"],
@@ -624,6 +624,21 @@ def _partial_settings(run: dict) -> dict:
             "calib_batches": s["calib_batches"]}
 
 
+def _comparable_reports(folder: Path, entry: dict, ignore: tuple[str, ...] = ()) -> list[dict]:
+    """The qat.py report.json files kept in `folder`, each a finished run with the entry's settings (`ignore`
+    aside); anything else is refused: its numbers would not be comparable."""
+    want = {k: v for k, v in _run_settings(entry).items() if k not in ignore}
+    reports = []
+    for f in sorted(folder.glob("*.json")):
+        r = json.loads(f.read_text())
+        got = {k: v for k, v in _run_settings(r).items() if k not in ignore}
+        if got != want or not r.get("finished"):
+            raise ValueError(f"{f}: an unfinished run or one made with other settings than the entry's ({got} vs "
+                             f"{want}): its numbers are not comparable")
+        reports.append(r)
+    return reports
+
+
 def partial_control_table(out: Path) -> str:
     """Which quantizers keep QAT from following its float control: `qat.py quantize --float-control PART` runs
     (OUT/<dataset>/<model>/partial-control/*.json, their report.json files) beside the entry's QAT and float
@@ -631,15 +646,12 @@ def partial_control_table(out: Path) -> str:
     parts = []
     for folder in sorted(out.glob("*/*/partial-control")):
         e = json.loads((folder.parent / "entry.json").read_text())
-        reports = [json.loads(f.read_text()) for f in sorted(folder.glob("*.json"))]
+        reports = _comparable_reports(folder, e)
         runs = {"": {str(k): r["select_by_epoch"] for k, r in e["qat"].items()},
                 "all": {str(k): r["select_by_epoch"] for k, r in e["fp_ft"].items()}}
         val = {"": [r["val_best"]["ap"] for r in e["qat"].values()],
                "all": [r["val_best"]["ap"] for r in e["fp_ft"].values()]}
         for r in reports:
-            if _partial_settings(r) != _partial_settings(e):
-                raise ValueError(f"{folder}: a run made with other settings than the entry's ({_partial_settings(r)} "
-                                 f"vs {_partial_settings(e)}): its numbers are not comparable")
             runs.setdefault(r["config"]["control"], {})[str(r["config"]["seed"])] = [q["ap"] for q in r["qat"]]
             val.setdefault(r["config"]["control"], []).append(r["val"]["final"]["ap"])
         best = {part: spread([max(v) for v in r.values()]) for part, r in runs.items()}
@@ -671,11 +683,7 @@ def float_first_table(out: Path) -> str:
             "delivered": [max(r["auto"]["candidates"][r["auto"]["chosen"]], *r["select_by_epoch"])
                           for r in e["qat"].values()],
             "val": [r["val_final"]["ap"] for r in e["qat"].values()]}}
-        for f in sorted(folder.glob("*.json")):
-            r = json.loads(f.read_text())
-            if _partial_settings(r) != _partial_settings(e) or not r.get("finished"):
-                raise ValueError(f"{f}: not a finished run with the entry's settings ({_partial_settings(r)} vs "
-                                 f"{_partial_settings(e)}): its numbers are not comparable")
+        for r in _comparable_reports(folder, e):
             k, epochs = r["config"]["float_epochs"], r["qat"]
             row = rows.setdefault(k, {})
             for column, value in (("float", epochs[k - 1]["ap"]), ("ptq", r["recalibrated"]["metrics"]["ap"]),
@@ -702,20 +710,14 @@ def longer_table(out: Path) -> str:
     parts = []
     for folder in sorted(out.glob("*/*/longer")):
         e = json.loads((folder.parent / "entry.json").read_text())
-        same = {k: v for k, v in _partial_settings(e).items() if k != "epochs"}
         runs: dict[int, dict[str, dict[str, list[float]]]] = {e["settings"]["qat_epochs"]: {
             "qat": {"select": [max(r["auto"]["candidates"][r["auto"]["chosen"]], *r["select_by_epoch"])
                                for r in e["qat"].values()],
                     "val": [r["val_final"]["ap"] for r in e["qat"].values()]},
             "control": {"select": [max(r["select_by_epoch"]) for r in e["fp_ft"].values()],
                         "val": [r["val_best"]["ap"] for r in e["fp_ft"].values()]}}}
-        for f in sorted(folder.glob("*.json")):
-            r = json.loads(f.read_text())
-            settings = _partial_settings(r)
-            if {k: v for k, v in settings.items() if k != "epochs"} != same or not r.get("finished"):
-                raise ValueError(f"{f}: not a finished run with the entry's settings ({settings} vs {same}): its "
-                                 "numbers are not comparable")
-            arm = runs.setdefault(settings["epochs"], {}).setdefault("control" if r["config"]["control"] else "qat", {})
+        for r in _comparable_reports(folder, e, ignore=("epochs",)):
+            arm = runs.setdefault(r["config"]["epochs"], {}).setdefault("control" if r["config"]["control"] else "qat", {})
             arm.setdefault("select", []).append(r["final"]["ap"])
             arm.setdefault("val", []).append(r["val"]["final"]["ap"])
         fp = {"mean": e["fp"]["val"]["ap"], "std": 0.0, "n": 1, "values": [e["fp"]["val"]["ap"]], "fixed": True}
