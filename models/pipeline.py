@@ -421,7 +421,8 @@ class QuantizeRun:
     def end_epoch(self, epoch: int, tuner: FineTuner, losses: dict, train_s: float) -> None:
         report, trained, stage = self.report, tuner.trained, self.stage_of(epoch)
         metrics = self.measure(trained, f"epoch {epoch}")
-        f = self.weights_dir / f"{'float' if stage == 'float' else 'qat'}_ep_{epoch}_ap_{_ap_tag(metrics)}_{self.stem}.pt"
+        kind = "float" if stage == "float" else "qat"
+        f = self.weights_dir / f"{kind}_ep_{epoch}_ap_{_ap_tag(metrics)}_{self.stem}.pt"
         save_checkpoint(trained, f, stage=stage, epoch=epoch, metrics=metrics)
         entry = {"epoch": epoch, "stage": stage, **{k: round(v, 6) for k, v in losses.items()},
                  "lr_end": tuner.optimizer.param_groups[0]["lr"], "train_s": round(train_s, 2), **metrics,

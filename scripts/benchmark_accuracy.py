@@ -624,6 +624,11 @@ def _run_settings(run: dict) -> dict:
             "calib_batches": s["calib_batches"]}
 
 
+def _delivered_on_select(run: dict) -> float:
+    """An entry's default run: the delivered model's select mAP, the best of its PTQ (auto) and every QAT epoch."""
+    return max(run["auto"]["candidates"][run["auto"]["chosen"]], *run["select_by_epoch"])
+
+
 def _comparable_reports(folder: Path, entry: dict, ignore: tuple[str, ...] = ()) -> list[dict]:
     """The qat.py report.json files kept in `folder`, each a finished run with the entry's settings (`ignore`
     aside); anything else is refused: its numbers would not be comparable."""
@@ -680,7 +685,7 @@ def float_first_table(out: Path) -> str:
             "float": [e["fp"]["select"]["ap"]] * len(e["qat"]),
             "ptq": [r["auto"]["candidates"][r["auto"]["chosen"]] for r in e["qat"].values()],
             "qat": [max(r["select_by_epoch"]) for r in e["qat"].values()],
-            "delivered": [max(r["auto"]["candidates"][r["auto"]["chosen"]], *r["select_by_epoch"])
+            "delivered": [_delivered_on_select(r)
                           for r in e["qat"].values()],
             "val": [r["val_final"]["ap"] for r in e["qat"].values()]}}
         for r in _comparable_reports(folder, e):
@@ -711,26 +716,29 @@ def longer_table(out: Path) -> str:
     for folder in sorted(out.glob("*/*/longer")):
         e = json.loads((folder.parent / "entry.json").read_text())
         runs: dict[int, dict[str, dict[str, list[float]]]] = {e["settings"]["qat_epochs"]: {
-            "qat": {"select": [max(r["auto"]["candidates"][r["auto"]["chosen"]], *r["select_by_epoch"])
+            "qat": {"select": [_delivered_on_select(r)
                                for r in e["qat"].values()],
                     "val": [r["val_final"]["ap"] for r in e["qat"].values()]},
             "control": {"select": [max(r["select_by_epoch"]) for r in e["fp_ft"].values()],
                         "val": [r["val_best"]["ap"] for r in e["fp_ft"].values()]}}}
         for r in _comparable_reports(folder, e, ignore=("epochs",)):
-            arm = runs.setdefault(r["config"]["epochs"], {}).setdefault("control" if r["config"]["control"] else "qat", {})
+            arm_name = "control" if r["config"]["control"] else "qat"
+            arm = runs.setdefault(r["config"]["epochs"], {}).setdefault(arm_name, {})
             arm.setdefault("select", []).append(r["final"]["ap"])
             arm.setdefault("val", []).append(r["val"]["final"]["ap"])
         fp = {"mean": e["fp"]["val"]["ap"], "std": 0.0, "n": 1, "values": [e["fp"]["val"]["ap"]], "fixed": True}
         lines = [f"**{e['model']}** on {e['dataset']}, select split ({e['provenance']['split']['images']['select']} "
                  f"images), {e['settings']['iters']} iterations per epoch, delivered models (best on select)", "",
                  "| Epochs | QAT, select | Float control, select | QAT - control, select | QAT, val | "
-                 "Float control, val | QAT - control, val | QAT - float model, val |", "|---|---|---|---|---|---|---|---|"]
+                 "Float control, val | QAT - control, val | QAT - float model, val |",
+                 "|---|---|---|---|---|---|---|---|"]
         for epochs, arms in sorted(runs.items()):
             q, c = ({k: spread(v) for k, v in arms[a].items()} for a in ("qat", "control"))
-            lines.append(f"| {epochs}{' (the entry)' if epochs == e['settings']['qat_epochs'] else ''} | "
-                         f"{fmt(q['select'])} | {fmt(c['select'])} | "
-                         f"{fmt_difference(difference(q['select'], c['select']))} | {fmt(q['val'])} | {fmt(c['val'])} | "
-                         f"{fmt_difference(difference(q['val'], c['val']))} | {fmt_difference(difference(q['val'], fp))} |")
+            cells = [f"{epochs}{' (the entry)' if epochs == e['settings']['qat_epochs'] else ''}", fmt(q["select"]),
+                     fmt(c["select"]), fmt_difference(difference(q["select"], c["select"])), fmt(q["val"]),
+                     fmt(c["val"]), fmt_difference(difference(q["val"], c["val"])),
+                     fmt_difference(difference(q["val"], fp))]
+            lines.append("| " + " | ".join(cells) + " |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts) if parts else "No longer run recorded yet."
 

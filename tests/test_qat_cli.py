@@ -140,7 +140,8 @@ def test_float_control_parts_parse_and_old_reports_resume(gelan_t_weights, demo_
     for extra, expect in ((["--float-epochs", "1"], "--float-epochs 1: must be >= 0 and leave QAT epochs"),
                           (["--float-epochs", "-1"], "--float-epochs -1"),
                           (["--epochs", "3", "--float-epochs", "1", "--float-control"], "the plain --float-control"),
-                          (["--epochs", "3", "--float-epochs", "1", "--ema", "0.99"], "not with --learn-amax or --ema")):
+                          (["--epochs", "3", "--float-epochs", "1", "--ema", "0.99"],
+                           "not with --learn-amax or --ema")):
         r = call_cli("qat.py", *base, *extra)
         errors = [line for line in r.stderr.splitlines() if "error:" in line]
         assert r.returncode == 2 and len(errors) == 1 and expect in errors[0], r.stderr[-2000:]
