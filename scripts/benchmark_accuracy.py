@@ -85,6 +85,7 @@ class Bench:
     modelopt: bool
     skip: tuple[str, ...]
     jobs: int
+    ort_seeds: int
     work: Path
     out: Path
 
@@ -261,6 +262,7 @@ class ModelBench:
                 measure(Path(last["file"]), self.report_yaml, d / "val-last", b)
             return {"recipe": r["config"]["qat"], "auto": {"chosen": cal["chosen"], "candidates": cal["candidates"],
                                                           "seconds": cal["seconds"], "val": ptq_val},
+                    "train_img_s": images_per_second(epochs, r["config"]["batch_size"], b.iters),
                     "best_epoch": best["epoch"], "select_by_epoch": [e["ap"] for e in epochs], "val_best": val_best,
                     "val_last": val_last, "final": {"stage": final["stage"], "epoch": final["epoch"]},
                     "val_final": ptq_val if final["stage"] == "ptq" else val_best, "final_file": final["file"]}
@@ -314,9 +316,10 @@ class ModelBench:
         return result
 
     def deployed(self, qat: dict) -> dict:
-        """The delivered model of every seed as the FP32 and the FP16 graph, in ONNX Runtime on val."""
+        """The delivered model of the first --ort-seeds seeds as the FP32 and the FP16 graph, in ONNX Runtime on
+        val (on the CPU: the bigger models' graphs take minutes each)."""
         b, dtypes = self.bench, ("fp32", "fp16")
-        jobs = [(dtype, s) for dtype in dtypes for s in qat]
+        jobs = [(dtype, s) for dtype in dtypes for s in list(qat)[:b.ort_seeds]]
 
         def one(job):
             dtype, s = job
@@ -325,7 +328,7 @@ class ModelBench:
             return {"val": measure(graph, self.report_yaml, out, b), "lint": lint_summary(graph)}
         with self.pool() as pool:
             runs = dict(zip(jobs, pool.map(one, jobs)))
-        return {dtype: {s: runs[(dtype, s)] for s in qat} for dtype in dtypes}
+        return {dtype: {s: r for (d, s), r in runs.items() if d == dtype} for dtype in dtypes}
 
     def modelopt(self, ptq_choice: dict) -> dict:
         """Model Optimizer's ONNX INT8 PTQ of the float model, each method x seed, calibrated on the very images our
@@ -361,25 +364,32 @@ class ModelBench:
         return copy
 
     def run(self, ablation: tuple[str, ...] = ()) -> dict:
+        """The independent phases side by side (fixed PTQ beside the default command, then the control beside the
+        deployed graphs), each with --jobs runs at a time: two phases' GPU memory at once, not three."""
         fp = self.on_both(self.weights, self.work / "fp")
-        ptq = self.ptq()
+        skip = self.bench.skip
+        with ThreadPoolExecutor(2) as phases:
+            ptq_runs = phases.submit(self.ptq)
+            qat_runs = phases.submit(self.default_command) if "qat" not in skip else None
+            ptq, qat = ptq_runs.result(), qat_runs and qat_runs.result()
         choice = max(ptq, key=lambda m: spread([r["select"]["ap"] for r in ptq[m].values()])["mean"])
         if ablation:
             self.ablation(ablation)
-        skip = self.bench.skip
         entry = {"model": self.name, "dataset": self.bench.dataset, "imgsz": self.bench.imgsz,
                  "provenance": self.provenance(), "settings": self.settings(), "fp": fp,
                  "ptq": {m: {s: _public(r) for s, r in runs.items()} for m, runs in ptq.items()},
                  "ptq_choice": choice, "not_run": list(skip)}
         ours = Path(ptq[choice][str(self.bench.seeds[0])]["file"])  # the deployed graph of our best stage
-        if "qat" not in skip:
-            qat = self.default_command()
-            entry["qat"] = {s: _public(r) for s, r in qat.items()}
-            ours = Path(qat[str(self.bench.seeds[0])]["final_file"])
-            if "ort" not in skip:
-                entry["ort"] = self.deployed(qat)
-        if "fp_ft" not in skip:
-            entry["fp_ft"] = self.control()
+        with ThreadPoolExecutor(2) as phases:
+            control = phases.submit(self.control) if "fp_ft" not in skip else None
+            deployed = phases.submit(self.deployed, qat) if qat and "ort" not in skip else None
+            if qat:
+                entry["qat"] = {s: _public(r) for s, r in qat.items()}
+                ours = Path(qat[str(self.bench.seeds[0])]["final_file"])
+            if deployed:
+                entry["ort"] = deployed.result()
+            if control:
+                entry["fp_ft"] = control.result()
         if self.bench.modelopt:
             peer = self.modelopt(ptq[choice])
             entry["modelopt"] = peer
@@ -400,11 +410,19 @@ class ModelBench:
                 "weights_sha256": digest, "seeds": list(self.bench.seeds),
                 "split": yaml_split(self.split),
                 "float_training": {k: trained[k] for k in ("epochs_run", "best_epoch", "best_select_map", "converged")}
-                if trained.get("weights_sha256") == digest else None}
+                if digest in (trained.get("weights_sha256"), (trained.get("converted") or {}).get("weights_sha256"))
+                else None}
 
     def settings(self) -> dict:
         return {k: v for k, v in asdict(self.bench).items() if k not in ("work", "out", "data", "jobs", "device",
-                                                                        "skip")}
+                                                                        "skip", "ort_seeds")}
+
+
+def images_per_second(epochs: list[dict], batch_size: int, iters: int) -> float | None:
+    """Training images per second of a run's QAT epochs (their `train_s`, the steps alone), as it ran: beside the
+    benchmark's other jobs on the same GPU and CPUs, so a floor for one run alone."""
+    seconds = sum(e.get("train_s", 0) for e in epochs)
+    return round(len(epochs) * iters * batch_size / seconds, 1) if seconds else None
 
 
 def _public(run: dict) -> dict:
@@ -466,9 +484,10 @@ def summarize(e: dict) -> dict:
         s["fp_ft_best"], s["fp_ft_last"] = over(e["fp_ft"], "val_best"), over(e["fp_ft"], "val_last")
     if "qat" in e and "fp_ft" in e:
         s["quantization_cost"] = difference(s["final"], s["fp_ft_best"])      # delivered - its float control
-    if "ort" in e:
+    if "ort" in e:  # against the same seeds' delivered checkpoint in PyTorch: that is the file exported
         s["ort"] = {d: over(runs, "val") for d, runs in e["ort"].items()}
-        s["ort_vs_pytorch"] = {d: difference(v, s["qat_best"]) for d, v in s["ort"].items()}
+        s["ort_vs_pytorch"] = {d: difference(v, spread([e["qat"][seed]["val_final"]["ap"] for seed in e["ort"][d]]))
+                               for d, v in s["ort"].items()}
     if "modelopt" in e:
         s["modelopt"] = {m: over(runs, "val") for m, runs in e["modelopt"].items()}
         peer = s["modelopt"][e["modelopt_choice"]]
@@ -777,7 +796,9 @@ def parse_opt(argv=None):
     p.add_argument("--calib-batches", type=int, default=25)
     p.add_argument("--qat-args", default="", help="extra qat.py quantize flags for QAT and its control")
     p.add_argument("--workers", type=int, default=8, help="dataloader workers per run")
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time in each of two phases side by side")
+    p.add_argument("--ort-seeds", type=int, default=None,
+                   help="the first N seeds' delivered graphs measured in ONNX Runtime (default: every seed)")
     p.add_argument("--modelopt", action="store_true", help="also run NVIDIA Model Optimizer's ONNX PTQ")
     p.add_argument("--ablation", nargs="*", choices=sorted(ABLATION), default=None, metavar="VARIANT",
                    help=f"also run these QAT recipe variants beside the default, judged on select (none named: all "
@@ -836,8 +857,8 @@ def main(argv=None) -> int:
         return render(opt.out, opt.check, opt.docs)
     bench = Bench(opt.dataset, str(Path(opt.data).resolve()), opt.imgsz, opt.device, opt.batch_size, opt.workers,
                   tuple(opt.seeds), tuple(opt.methods), opt.qat_epochs, opt.iters, opt.calib_batches,
-                  tuple(shlex.split(opt.qat_args)), opt.modelopt, tuple(opt.skip), opt.jobs, opt.work.resolve(),
-                  opt.out.resolve())
+                  tuple(shlex.split(opt.qat_args)), opt.modelopt, tuple(opt.skip), opt.jobs,
+                  opt.ort_seeds or len(opt.seeds), opt.work.resolve(), opt.out.resolve())
     ablation = () if opt.ablation is None else tuple(opt.ablation) or tuple(ABLATION)
     for name, weights in opt.models.items():
         try:

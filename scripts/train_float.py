@@ -5,22 +5,28 @@ split (utils/datasplit.py), resumable across machine leases. The benchmark's flo
     python scripts/train_float.py --data helmet-416/data.yaml --cfg models/detect/gelan-s.yaml --name gelan-s \\
         --out results/helmet/gelan-s/float [--epochs 200 --patience 30 --imgsz 416 --batch 64]
     python scripts/train_float.py ... --collect       # write OUT from a run still in progress
+    python scripts/train_float.py ... --nproc-per-node 2 --device 0,1   # upstream DDP through torchrun
+    python scripts/train_float.py ... --train-script train_dual.py --cfg models/detect/yolov9-c.yaml   # YOLOv9
 
 Run from the patched YOLOv9 checkout. A run that has weights/last.pt continues with upstream's --resume.
 OUT gets results.csv (upstream's, per epoch: select-split metrics), curve.png and train.json: what was run
 (upstream's opt.yaml, and the commit, command line, machine and split recorded when the run started), the
-best epoch, whether the patience criterion stopped it, and the sha256 of the weights. --weights-out also
-writes the best epoch's EMA weights in FP16 (what evaluation and quantization read; upstream's best.pt also
-holds the optimizer).
+best epoch, whether the curve converged (upstream's patience stop, or a plateau over the last 10 % of epochs),
+the wall time, and the sha256 of the weights. --weights-out also writes the best epoch's EMA weights in FP16 (what
+evaluation and quantization read; upstream's best.pt also holds the optimizer); with --reparameterize (YOLOv9
+models trained with train_dual.py) it converts them with reparameterization.py, as a user does next, and records
+the converted file too.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import json
+import math
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path.cwd()))
@@ -41,12 +47,33 @@ def read_curve(results_csv: Path) -> list[dict]:
     return [{h: float(v) for h, v in zip(head, r)} for r in rows[1:] if r]
 
 
+def plateau(values: list[float], share: float = 0.1) -> dict:
+    """Whether the last `share` of a select curve (at least 4 epochs) stays within noise of the curve's best.
+    Noise is one evaluation's scatter around the trend, from that window's epoch-to-epoch differences
+    (std / sqrt 2); within noise means: the window's best is within 2 noise of the overall best, and the rise a
+    least-squares line fits across the window is under 2 noise (a curve still climbing has a best at its end, so
+    the first test alone would pass it)."""
+    import numpy as np
+    n = max(4, math.ceil(share * len(values)))
+    if len(values) < n + 1:
+        return {"window": len(values), "noise": None, "rise": None, "gap": None, "plateau": False}
+    window = np.asarray(values[-n:], dtype=float)
+    noise = float(np.std(np.diff(window), ddof=1) / math.sqrt(2))
+    rise = float(np.polyfit(np.arange(n), window, 1)[0] * (n - 1))
+    gap = float(max(values) - window.max())
+    return {"window": n, "noise": round(noise, 5), "rise": round(rise, 5), "gap": round(gap, 5),
+            "plateau": gap <= 2 * noise and rise <= 2 * noise}
+
+
 def convergence(curve: list[dict], patience: int) -> dict:
-    """Best epoch by select mAP50-95 and whether `patience` epochs have passed without a new best."""
+    """Best epoch by select mAP50-95; whether `patience` epochs passed without a new best (upstream's early stop);
+    and whether the curve ended on a plateau (`plateau`): converged is either."""
     best = max(range(len(curve)), key=lambda i: curve[i][MAP])
     since = len(curve) - 1 - best
+    end = plateau([r[MAP] for r in curve])
     return {"epochs_run": len(curve), "best_epoch": int(curve[best]["epoch"]), "best_select_map": curve[best][MAP],
-            "best_select_map50": curve[best][MAP50], "epochs_since_best": since, "converged": since >= patience}
+            "best_select_map50": curve[best][MAP50], "epochs_since_best": since, "last_epochs": end,
+            "converged": since >= patience or end["plateau"]}
 
 
 def plot_curve(curve: list[dict], conv: dict, title: str, path: Path) -> None:
@@ -75,8 +102,17 @@ def record_start(run_dir: Path, split_yaml: Path) -> None:
     path = run_dir / PROVENANCE
     if not path.is_file():
         start = {"commit": toolkit_commit(), "command": command_line(), "machine": machine(),
-                 "split": yaml.safe_load(split_yaml.read_text())["split"]}
+                 "split": yaml.safe_load(split_yaml.read_text())["split"], "sessions": []}
         atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(start, indent=2) + "\n"))
+
+
+def record_session(run_dir: Path, seconds: float, returncode: int) -> None:
+    """One call of the training script (a start or a resume): its wall time, so the total is known."""
+    path = run_dir / PROVENANCE
+    record = json.loads(path.read_text())
+    record.setdefault("sessions", []).append({"seconds": round(seconds, 1), "exit": returncode,
+                                              "machine": machine()["gpu"]})
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(record, indent=2) + "\n"))
 
 
 def compact_weights(best: Path, out: Path) -> Path:
@@ -88,7 +124,24 @@ def compact_weights(best: Path, out: Path) -> Path:
     return atomic_write(out, lambda tmp: torch.save({"model": model, "epoch": ckpt.get("epoch")}, tmp))
 
 
-def collect(run_dir: Path, out: Path, weights_out: Path | None) -> dict:
+def converted_path(weights: Path) -> Path:
+    return weights.with_name(f"{weights.stem}-converted.pt")
+
+
+def reparameterize(weights: Path, data_yaml: str, model: str) -> dict:
+    """reparameterization.py on the trained weights (the auxiliary branch dropped): what a user quantizes."""
+    import yaml
+    nc = len(yaml.safe_load(Path(data_yaml).read_text())["names"])
+    save = converted_path(weights)
+    cmd = [sys.executable, "reparameterization.py", "--weights", str(weights), "--model", model, "--classes_num",
+           str(nc), "--save", str(save), "--exist-ok"]
+    r = subprocess.run(cmd)
+    if r.returncode:
+        raise ValueError(f"reparameterization.py exited with {r.returncode} on {weights}")
+    return {"command": " ".join(cmd[1:]), "weights": str(save), "weights_sha256": sha256(save)}
+
+
+def collect(run_dir: Path, out: Path, weights_out: Path | None, reparameterize_as: str | None = None) -> dict:
     """OUT/results.csv, curve.png and train.json (and the FP16 EMA weights) from the run folder as it stands."""
     import yaml
     args = yaml.safe_load((run_dir / "opt.yaml").read_text())
@@ -100,13 +153,16 @@ def collect(run_dir: Path, out: Path, weights_out: Path | None) -> dict:
     best = run_dir / "weights" / "best.pt"
     if weights_out is not None:
         compact_weights(best, weights_out)
+    converted = reparameterize(weights_out, args["data"], reparameterize_as) if reparameterize_as else None
+    started = json.loads((run_dir / PROVENANCE).read_text())
     entry = {"model": Path(args["cfg"]).stem, "finished": conv["converged"] or conv["epochs_run"] >= args["epochs"],
              **conv, "patience": args["patience"], "max_epochs": args["epochs"],
-             "started": json.loads((run_dir / PROVENANCE).read_text()),
+             "train_seconds": round(sum(r["seconds"] for r in started.get("sessions", [])), 1),
+             "started": started,
              "upstream_args": {k: args[k] for k in ("cfg", "data", "hyp", "epochs", "batch_size", "imgsz", "seed",
                                                     "close_mosaic", "cache", "workers", "optimizer") if k in args},
              "weights": str(weights_out) if weights_out else None,
-             "weights_sha256": sha256(weights_out) if weights_out else None,
+             "weights_sha256": sha256(weights_out) if weights_out else None, "converted": converted,
              "collected": {"commit": toolkit_commit(), "command": command_line(), "machine": machine()}}
     atomic_write(out / "train.json", lambda tmp: Path(tmp).write_text(json.dumps(entry, indent=2) + "\n"))
     return entry
@@ -117,6 +173,16 @@ def train_args(opt, split_yaml: Path) -> list[str]:
             "--batch", str(opt.batch), "--epochs", str(opt.epochs), "--patience", str(opt.patience), "--seed",
             str(opt.seed), "--workers", str(opt.workers), "--close-mosaic", str(opt.close_mosaic), "--cache", "ram",
             "--device", opt.device, "--project", opt.project, "--name", opt.name, "--exist-ok"]
+
+
+def launcher(opt) -> list[str]:
+    """How upstream's script is started: this Python, or torchrun with one process per GPU of --device."""
+    if opt.nproc_per_node == 1:
+        return [sys.executable]
+    if len(opt.device.split(",")) != opt.nproc_per_node:
+        raise ValueError(f"--nproc-per-node {opt.nproc_per_node} needs as many GPUs in --device (got {opt.device})")
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(opt.nproc_per_node),
+            "--master_port", str(opt.master_port)]
 
 
 def parse_opt(argv=None):
@@ -134,18 +200,25 @@ def parse_opt(argv=None):
     p.add_argument("--close-mosaic", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--device", default="0")
+    p.add_argument("--device", default="0", help="upstream's: 0, or 0,1 with --nproc-per-node 2")
+    p.add_argument("--nproc-per-node", type=int, default=1,
+                   help="processes (GPUs) for upstream's DDP, started with torchrun; 1: one process")
+    p.add_argument("--master-port", type=int, default=29500, help="torchrun's port (two trainings at once: differ)")
     p.add_argument("--project", default="runs/train")
     p.add_argument("--split-dir", default="runs/split", help="where fit.txt / select.txt / split.yaml go")
     p.add_argument("--fraction", type=float, default=DEFAULT_FRACTION)
     p.add_argument("--split-seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--weights-out", type=Path, help="also write the best epoch's EMA weights (FP16) here")
+    p.add_argument("--reparameterize", metavar="MODEL", choices=("t", "s", "m", "c", "e"),
+                   help="with --weights-out: also convert them (reparameterization.py --model MODEL) to "
+                        "WEIGHTS-converted.pt, for YOLOv9 models trained with train_dual.py")
     p.add_argument("--collect", action="store_true", help="only write OUT from the run as it stands")
     return p.parse_args(argv)
 
 
 def train(opt) -> dict:
     """Train (or resume, or with opt.collect only collect) and write OUT; the train.json entry."""
+    start = [*launcher(opt), opt.train_script]
     split_yaml = write_split(opt.data, opt.split_dir, opt.fraction, opt.split_seed)
     run_dir = Path(opt.project) / opt.name
     done = Path(opt.out) / "train.json"
@@ -157,14 +230,20 @@ def train(opt) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         record_start(run_dir, split_yaml)
         args = ["--resume", str(last)] if last.is_file() else train_args(opt, split_yaml)
-        r = subprocess.run([sys.executable, opt.train_script, *args])
+        started = time.monotonic()
+        r = subprocess.run([*start, *args])
+        record_session(run_dir, time.monotonic() - started, r.returncode)
         if r.returncode:
             raise ValueError(f"{opt.train_script} exited with {r.returncode}")
-    return collect(run_dir, Path(opt.out), opt.weights_out)
+    return collect(run_dir, Path(opt.out), opt.weights_out, opt.reparameterize)
 
 
 def main(argv=None) -> int:
     opt = parse_opt(argv)
+    if opt.reparameterize and opt.weights_out is None:
+        print("train_float: error: --reparameterize converts the --weights-out file: give --weights-out",
+              file=sys.stderr)
+        return 2
     try:
         entry = train(opt)
     except (OSError, ValueError) as e:

@@ -138,8 +138,8 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights
     modelopt = importlib.util.find_spec("modelopt") is not None
     args = ["--dataset", "demo", "--models", f"gelan-t={gelan_t_weights}", "--data", demo_data, "--imgsz", IMGSZ,
             "--batch-size", 4, "--device", "cpu", "--workers", 0, "--seeds", 0, 1, "--methods", "max", "mse",
-            "--qat-epochs", 1, "--iters", 1, "--calib-batches", 1, "--jobs", 2, "--work", work, "--out", out,
-            "--ablation", "det-3", *(["--modelopt"] if modelopt else [])]
+            "--qat-epochs", 1, "--iters", 1, "--calib-batches", 1, "--jobs", 2, "--ort-seeds", 1, "--work", work,
+            "--out", out, "--ablation", "det-3", *(["--modelopt"] if modelopt else [])]
     r = run_cli("scripts/benchmark_accuracy.py", *args, timeout=1500)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     e = json.loads((out / "demo" / "gelan-t" / "entry.json").read_text())
@@ -161,6 +161,11 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights
         assert set(e[kind]) == {"0", "1"} and all(r["best_epoch"] == 1 for r in e[kind].values())
     assert e["qat"]["0"]["recipe"]["distill"] == "head"
     assert set(e["ort"]) == {"fp32", "fp16"} and e["ort"]["fp32"]["0"]["lint"]["unshared_joins"] == 0
+    assert all(set(runs) == {"0"} for runs in e["ort"].values())  # --ort-seeds 1: the first seed's graphs only
+    assert all(r["train_img_s"] > 0 for r in e["qat"].values())
+    # the deployed graph is the delivered checkpoint of its seed: compared with that one in PyTorch
+    assert s_ort_delta(e) == pytest.approx(e["ort"]["fp32"]["0"]["val"]["ap"] - e["qat"]["0"]["val_final"]["ap"],
+                                           abs=1e-5)
     s = e["summary"]
     assert s["qat_best"]["values"] == [e["qat"][k]["val_best"]["ap"] for k in ("0", "1")]
     assert s["quantization_cost"]["delta"] == pytest.approx(s["final"]["mean"] - s["fp_ft_best"]["mean"], abs=1e-5)
@@ -203,6 +208,10 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights
     table.write_text("no block\n")  # a file whose markers went: one line naming it, nothing rewritten
     r = call_cli("scripts/benchmark_accuracy.py", "--render", "--out", out)
     assert r.returncode != 0 and str(table) in r.stderr and table.read_text() == "no block\n"
+
+
+def s_ort_delta(entry: dict) -> float:
+    return entry["summary"]["ort_vs_pytorch"]["fp32"]["delta"]
 
 
 def test_benchmark_folders_are_named_by_what_decides_their_numbers():
@@ -295,3 +304,31 @@ def test_published_results_are_what_their_json_renders_to():
     r = subprocess.run([sys.executable, "scripts/benchmark_accuracy.py", "--render", "--check", "--docs"], cwd=REPO,
                        text=True, capture_output=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_float_training_converges_on_a_plateau_not_on_a_climb():
+    """scripts/train_float.py's convergence rule on select curves: a curve still climbing at its end is not
+    converged although its best is its last epoch; one that ends flat within its own evaluation noise is, even
+    where upstream's patience never stopped it; a curve too short for a window is not judged converged."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_float", REPO / "scripts" / "train_float.py")
+    tf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tf)
+    import numpy as np
+    rng = np.random.default_rng(0)
+    noise = rng.normal(0, 0.002, 60)
+    climbing = list(0.3 + 0.004 * np.arange(60) + noise)     # +0.024 over the last 10 %: 12x the noise
+    flat = list(0.5 - 0.2 * np.exp(-np.arange(60) / 8) + noise)
+    assert not tf.plateau(climbing)["plateau"] and tf.plateau(flat)["plateau"]
+    assert tf.plateau(flat)["window"] == 6 and 0.001 < tf.plateau(flat)["noise"] < 0.004
+    assert not tf.plateau(flat[:4])["plateau"]
+    curve = [{"epoch": i, tf.MAP: v, tf.MAP50: v} for i, v in enumerate(flat)]
+    c = tf.convergence(curve, patience=100)
+    assert c["converged"] and c["epochs_since_best"] < 100 and c["best_select_map"] == max(flat)
+    opt = tf.parse_opt(["--data", "d.yaml", "--cfg", "c.yaml", "--name", "n", "--out", "o", "--nproc-per-node", "2",
+                        "--device", "0"])
+    with pytest.raises(ValueError, match="--nproc-per-node 2 needs as many GPUs in --device"):
+        tf.launcher(opt)
+    opt = tf.parse_opt(["--data", "d.yaml", "--cfg", "c.yaml", "--name", "n", "--out", "o", "--nproc-per-node", "2",
+                        "--device", "0,1", "--master-port", "29600"])
+    assert tf.launcher(opt)[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29600"]
