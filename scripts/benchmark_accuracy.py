@@ -567,16 +567,20 @@ def training_table(out: Path) -> str:
     rows = []
     for f in sorted(out.glob("*/*/float/train.json")):
         t = json.loads(f.read_text())
-        start = t["started"]
+        start, end = t["started"], t.get("last_epochs")
+        since = f"{t['epochs_since_best']} epoch{'' if t['epochs_since_best'] == 1 else 's'} since the best"
+        plateau = "" if not end or end["noise"] is None else \
+            f"; last {end['window']}: rise {end['rise']:+.4f}, noise {end['noise']:.4f}"
+        gpus = re.search(r"--nproc-per-node (\d+)", start["command"])
+        seconds = f"{t['train_seconds'] / 60:.1f} min" if t.get("train_seconds") else "not recorded"
         rows.append(f"| {f.parts[-4]} | {t['model']} | {t['epochs_run']} of {t['max_epochs']} | {t['best_epoch']} | "
-                    f"{t['best_select_map']:.4f} | {'yes' if t['converged'] else 'no'} "
-                    f"({t['epochs_since_best']} epoch{'' if t['epochs_since_best'] == 1 else 's'} "
-                    f"since the best, patience {t['patience']}) | {start['machine']['gpu']} | "
+                    f"{t['best_select_map']:.4f} | {'yes' if t['converged'] else 'no'} ({since}{plateau}) | "
+                    f"{seconds} | {gpus[1] if gpus else 1} x {start['machine']['gpu']} | "
                     f"[curve](../{f.parent.relative_to(out.parent)}/curve.png) |")
     if not rows:
         return "No float training recorded yet."
-    return "\n".join(["| Data | Model | Epochs run | Best epoch | Best select mAP50-95 | Converged | GPU | Curve |",
-                      "|---|---|---|---|---|---|---|---|", *rows])
+    return "\n".join(["| Data | Model | Epochs run | Best epoch | Best select mAP50-95 | Converged | Time | GPUs | "
+                      "Curve |", "|---|---|---|---|---|---|---|---|---|", *rows])
 
 
 def costs_table(out: Path) -> str:
