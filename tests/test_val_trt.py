@@ -21,11 +21,13 @@ SIZE = 320  # the trained demo model's size
 
 @pytest.fixture(scope="module")
 def quantized(demo_data320, tmp_path_factory):
-    """The trained demo gelan-t, quantized (PTQ, mse) and exported: real detections to compare."""
+    """The trained demo gelan-t, quantized (PTQ, max) and exported (the default FP16 graph): real detections to
+    compare. `max` ranges: an exact maximum moves only in its last bits with the CPU's kernels and thread count,
+    where mse's search over a histogram can pick another bin, so the model is the same on every machine."""
     import export_qat
     model = load_float_model(TRAINED_T)
     quantize_model(model)
-    calibrate(model, QuantRecipe(calib_method="mse"), export_qat.verification_images(str(demo_data320), SIZE, 4, 2))
+    calibrate(model, QuantRecipe(calib_method="max"), export_qat.verification_images(str(demo_data320), SIZE, 4, 2))
     d = tmp_path_factory.mktemp("vt")
     weights = save_checkpoint(model, d / "gelan-t-q.pt")
     r = run_cli("export_qat.py", "--weights", weights, "--include", "onnx", "--dynamic", "--imgsz", SIZE)
@@ -37,12 +39,16 @@ def f1(result: dict) -> float:
     return 2 * result["precision"] * result["recall"] / max(result["precision"] + result["recall"], 1e-9)
 
 
-def test_onnxruntime_backend_equals_pytorch(quantized, demo_data320):
-    """The same metric loop over the PyTorch fake-quant model and over ONNX Runtime running its Q/DQ export.
+def test_onnxruntime_backend_equals_pytorch(quantized, demo_data320, tmp_path):
+    """The same metric loop over the PyTorch fake-quant model and over ONNX Runtime running its FP32 Q/DQ export
+    (PyTorch's arithmetic; what FP16 activations add is tests/test_deploy.py's).
 
     What differs between the two runtimes is the summation order inside each convolution, so a value sitting on
-    an INT8 rounding boundary can round the other way and a few boxes move by a step. mAP averages over all
-    confidences and moves by well under 0.005 (100 images). Precision and recall are read at the single
+    an INT8 rounding boundary can round the other way and a few boxes move by a step. One such box that crosses a
+    ground-truth match (or swaps rank with one) moves its class's AP by up to 1 / (that class's boxes), and mAP by
+    that over the number of classes: 1 / (12 x 20) = 0.0042 for the rarest class here, about what was seen across
+    CPUs and thread counts (0.004 to 0.006). The bound allows three such boxes on the rarest class; a wrong scale
+    or a lost quantizer moves hundreds. Precision and recall are read at the single
     confidence where the smoothed F1 curve peaks; that curve is flat near its top, so a few flips move the peak
     along it and trade precision for recall (seen with AVX2 kernels on one thread: P 0.334 vs 0.361, R 0.542 vs
     0.516). Their F1 is what stays put (0.413 vs 0.425 there): it gets 0.025."""
@@ -50,16 +56,25 @@ def test_onnxruntime_backend_equals_pytorch(quantized, demo_data320):
     from models.runners import OnnxRuntimeRunner, open_runner
     from models.task import DETECT
     from utils.batches import load_data
-    weights, onnx_path = quantized
+    weights = tmp_path / "fp32.pt"
+    shutil.copy(quantized[0], weights)
+    r = run_cli("export_qat.py", "--weights", weights, "--include", "onnx", "--dynamic", "--imgsz", SIZE, "--dtype",
+                "fp32")
+    assert r.returncode == 0, r.stderr[-2000:]
+    onnx_path = weights.with_suffix(".onnx")
     data = load_data(demo_data320)
     loader = val_loader(DETECT, data, SIZE, 4, 0)
     ours = evaluate(OnnxRuntimeRunner(onnx_path), loader, DETECT, data["nc"])
     ref = evaluate(open_runner(weights, "cpu"), loader, DETECT, data["nc"])
-    print("ORT", ours, "PyTorch", ref)
+    print("ORT", ours, "PyTorch", ref, {k: round(ours[k] - ref[k], 5) for k in ("ap", "ap50")})
     assert ours["images"] == ref["images"] == 100
     assert ref["ap50"] > 0.1  # a trained model: the comparison is not between two empty results
+    from collections import Counter
+    labels = Path(str(data["val"]).replace("images", "labels"))
+    boxes = Counter(int(line.split()[0]) for f in labels.glob("*.txt") for line in f.read_text().splitlines() if line)
+    one_box = 1 / (data["nc"] * min(boxes.values()))
     for k in ("ap", "ap50"):
-        assert ours[k] == pytest.approx(ref[k], abs=0.005), k
+        assert ours[k] == pytest.approx(ref[k], abs=3 * one_box), (k, one_box)
     assert f1(ours) == pytest.approx(f1(ref), abs=0.025) and f1(ref) > 0.2
 
 
