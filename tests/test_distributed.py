@@ -110,8 +110,12 @@ def _amax(weights):
 def test_two_process_calibration_equals_one_process(gelan_t_weights, demo_data, tmp_path):
     """2 gloo ranks, global batch 4 (2 per rank) and 2 calibration batches, against one process calibrating on the
     same images in batches of 4 (other batches than either rank's: before the histograms were made independent of
-    batching, mse ranges differed by up to 2.1 %): every amax equal to 1e-4. One method end to end (mse, where the
-    difference was measured); the test above shows every method's range equal on the combined counts."""
+    batching, mse ranges of most quantizers differed, by up to 2.1 %). One method end to end (mse, where the
+    difference was measured); the test above shows every method's range equal on the combined counts. Equal, except
+    where the activations themselves differ: some CPUs' convolution kernels depend on the batch size (2 per rank vs 4)
+    and change a value's last bits; one on a bin edge then lands in the next bin and moves an mse range by one bin,
+    1/1024 to 1/2048 of the largest value seen (seen: 3 of 336 quantizers). So: at most 1 % of the quantizers may
+    differ, each by under 1 %; a batching dependence moves most of them."""
     method = "mse"
     common = ["quantize", "--weights", gelan_t_weights, "--data", demo_data, *COMMON, "--calib-method", method,
               "--epochs", 0, "--no-eval-origin", "--no-eval-ptq", "--project", tmp_path]
@@ -126,8 +130,10 @@ def test_two_process_calibration_equals_one_process(gelan_t_weights, demo_data, 
     assert two.keys() == one.keys() and len(one) > 100
     worst = max(float(((two[n] - one[n]).abs() / one[n].abs().clamp_min(1e-12)).max()) for n in one)
     print(f"{method}: largest relative amax difference, 2 processes vs 1: {worst:.2e}")
-    for name in one:
-        assert torch.allclose(two[name], one[name], rtol=1e-4, atol=1e-7), (name, two[name], one[name])
+    differ = [n for n in one if not torch.allclose(two[n], one[n], rtol=1e-6, atol=1e-9)]
+    assert len(differ) <= 0.01 * len(one), differ
+    for name in differ:
+        assert torch.allclose(two[name], one[name], rtol=1e-2, atol=1e-7), (name, two[name], one[name])
 
 
 def test_two_process_qat_writes_one_report_and_resume_checks_the_world(gelan_t_weights, demo_data, tmp_path):
@@ -147,9 +153,12 @@ def test_two_process_qat_writes_one_report_and_resume_checks_the_world(gelan_t_w
     assert r.returncode != 0 and "runs in one process" in r.stderr
 
 
-def _step_in_two_processes(rank: int, port: int, broadcast: bool, out: str) -> None:
-    """One training step of a calibrated quantized gelan-t under DDP: each rank its own images; loss and averaged
-    gradients saved."""
+def _step_in_two_processes(rank: int, port: int, out: str) -> None:
+    """One training step of a calibrated quantized gelan-t under DDP's default (every buffer broadcast before every
+    forward) and under the student's wrapper, from the same weights: each rank its own images; the loss and the
+    averaged gradients of both saved."""
+    import copy
+
     import torch.distributed as dist
     from conftest import build_model
     from torch.nn.parallel import DistributedDataParallel
@@ -162,34 +171,33 @@ def _step_in_two_processes(rank: int, port: int, broadcast: bool, out: str) -> N
     calibrate(model, QuantRecipe(calib_method="max"), [torch.rand(2, 3, 64, 64, generator=torch.Generator()
                                                                   .manual_seed(1))])
     model.train()
-    ddp = data_parallel(model, World(rank, 2, rank), torch.device("cpu")) if not broadcast else \
-        DistributedDataParallel(model)  # DDP's default: every buffer broadcast before every forward
     x = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(10 + rank))
-    loss = sum(p.float().square().mean() for p in ddp(x))
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    torch.save({"loss": loss.detach(), "grads": grads, "broadcast": ddp.broadcast_buffers}, f"{out}/{rank}.pt")
+    runs = {}
+    for name, wrap in (("default", DistributedDataParallel),
+                       ("ours", lambda m: data_parallel(m, World(rank, 2, rank), torch.device("cpu")))):
+        student = copy.deepcopy(model)
+        ddp = wrap(student)
+        loss = sum(p.float().square().mean() for p in ddp(x))
+        loss.backward()
+        runs[name] = {"loss": loss.detach(), "broadcast": ddp.broadcast_buffers,
+                      "grads": {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}}
+    torch.save(runs, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
 
 def test_a_step_without_per_step_buffer_broadcast_equals_ddps_default(tmp_path):
     """The student's wrapper broadcasts its buffers (the quantizers' ranges) once, not before every step: a step's
-    loss and averaged gradients equal DDP's default, which broadcasts them each time, bit for bit on this CPU and
-    within float tolerance anywhere (the same sums in the same order)."""
+    loss and averaged gradients equal DDP's default, which broadcasts them each time (the same sums in the same
+    order: equal within float rounding on any CPU)."""
     import torch.multiprocessing as mp
-    runs = {}
-    for broadcast in (True, False):
-        d = tmp_path / str(broadcast)
-        d.mkdir()
-        mp.start_processes(_step_in_two_processes, args=(_free_port(), broadcast, str(d)), nprocs=2,
-                           start_method="spawn")
-        runs[broadcast] = [torch.load(d / f"{r}.pt") for r in (0, 1)]
-    assert [r["broadcast"] for r in runs[False]] == [False, False] and runs[True][0]["broadcast"]
-    for rank in (0, 1):
-        ours, default = runs[False][rank], runs[True][rank]
+    mp.start_processes(_step_in_two_processes, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    runs = [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
+    assert [(r["ours"]["broadcast"], r["default"]["broadcast"]) for r in runs] == [(False, True)] * 2
+    for r in runs:
+        ours, default = r["ours"], r["default"]
         assert torch.allclose(ours["loss"], default["loss"], rtol=1e-6)
         assert ours["grads"].keys() == default["grads"].keys() and len(ours["grads"]) > 50
         for name, g in ours["grads"].items():
             assert torch.allclose(g, default["grads"][name], rtol=1e-5, atol=1e-7), name
-    # gradients were averaged over the ranks (their own images): both ranks hold the same
-    assert all(torch.equal(g, runs[False][1]["grads"][n]) for n, g in runs[False][0]["grads"].items())
+    # gradients were averaged over the ranks (each saw its own images): both ranks hold the same
+    assert all(torch.equal(g, runs[1]["ours"]["grads"][n]) for n, g in runs[0]["ours"]["grads"].items())
