@@ -73,12 +73,17 @@ def _select_flags(q):
                    help="choose on the val images instead (their mAP is then optimistic; warned)")
 
 
-def _qat_flags(q):
+def _run_flags(q):
     q.add_argument("--iters", type=int, default=200, help="QAT iterations per epoch (0: one pass over the images)")
     q.add_argument("--epochs", type=int, default=10, help="QAT epochs (0: PTQ only)")
-    q.add_argument("--float-epochs", type=int, default=0,
-                   help="the first N of --epochs fine-tune in float (one learning-rate schedule), then the ranges are "
-                        "calibrated anew and QAT continues from that PTQ model")
+    q.add_argument("--skip-layers", nargs="*", default=[], help="layer indices or module-name regexes kept in float")
+    q.add_argument("--no-eval-origin", action="store_true", help="do not evaluate the float model")
+    q.add_argument("--no-eval-ptq", action="store_true", help="do not evaluate the PTQ model")
+    q.add_argument("--resume", type=str, default=None, metavar="RUN_DIR",
+                   help="continue an interrupted run from its last completed stage (its own settings are used)")
+
+
+def _recipe_flags(q):
     q.add_argument("--recipe", choices=sorted(RECIPES), default="default",
                    help="QAT preset: default (measured best, docs/RESULTS.md) or reference (per-layer MSE, Adam 1e-5); "
                         "the flags below override single fields")
@@ -92,16 +97,17 @@ def _qat_flags(q):
     q.add_argument("--learn-amax", action=argparse.BooleanOptionalAction, default=None,
                    help="train the activation ranges (amax) too")
     q.add_argument("--ema", type=float, default=None, help="weight EMA decay (0: off)")
-    q.add_argument("--skip-layers", nargs="*", default=[], help="layer indices or module-name regexes kept in float")
+
+
+def _measurement_flags(q):
     q.add_argument("--float-control", nargs="?", const="all", choices=CONTROL_PARTS, default=None,
                    help="the float control of a QAT run: the same fine-tune with every quantizer disabled, or "
-                        "(measurement) only the weight or only the activation quantizers")
+                        "only the weight or only the activation quantizers")
+    q.add_argument("--float-epochs", type=int, default=0,
+                   help="the first N of --epochs fine-tune in float (one learning-rate schedule), then the ranges are "
+                        "calibrated anew and QAT continues from that PTQ model")
     q.add_argument("--no-share-rules", action="store_true",
-                   help="measurement only: no TensorRT scale sharing (the export gets reformat layers in TensorRT)")
-    q.add_argument("--no-eval-origin", action="store_true", help="do not evaluate the float model")
-    q.add_argument("--no-eval-ptq", action="store_true", help="do not evaluate the PTQ model")
-    q.add_argument("--resume", type=str, default=None, metavar="RUN_DIR",
-                   help="continue an interrupted run from its last completed stage (its own settings are used)")
+                   help="no TensorRT scale sharing (the export gets reformat layers in TensorRT)")
 
 
 def parse_opt(argv=None):
@@ -109,10 +115,14 @@ def parse_opt(argv=None):
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     q = sub.add_parser("quantize", help="insert quantizers, calibrate (PTQ), fine-tune (QAT), save the best")
-    _common(q, "runs/qat", weights_required=False)
-    _calibration(q)
-    _select_flags(q)
-    _qat_flags(q)
+    run = q.add_argument_group("run")
+    _common(run, "runs/qat", weights_required=False)
+    _run_flags(run)
+    choose = q.add_argument_group("calibration and selection (every choice is made on the select split)")
+    _calibration(choose)
+    _select_flags(choose)
+    _recipe_flags(q.add_argument_group("fine-tuning recipe"))
+    _measurement_flags(q.add_argument_group("measurement only (what the benchmark compares; not for deployment)"))
 
     s = sub.add_parser("sensitive", help="per-layer quantization sensitivity of a float model")
     _common(s, "runs/qat_sensitive")
