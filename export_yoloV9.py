@@ -24,8 +24,9 @@ from models.checkpoint import read_checkpoint  # noqa: E402
 from models.quantize import is_quantized  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import atomic_write, cli_main  # noqa: E402
+from models.checkpoint import load_for_export  # noqa: E402
 from models.export import (DTYPES, PREFIX, GraphSpec, artefact, class_names, count_qdq,  # noqa: E402
-                           export_graph, load_for_export, recorded_settings, report_lint, save_onnx, stamp)
+                           export_graph, recorded_settings, report_lint, save_onnx, stamp)
 
 
 class DeepStreamHead(nn.Module):

@@ -146,3 +146,15 @@ def load_quantized_model(weights: str | Path, device: torch.device | str = "cpu"
     if not is_quantized(model):
         raise ValueError(f"--weights {weights}: not a quantized model; quantize it first with `qat.py quantize`")
     return model.float().to(device).eval()
+
+
+def load_for_export(weights: str | Path, device: str | torch.device = "cpu", inplace: bool = False,
+                    trust: bool = False) -> nn.Module:
+    """Quantized checkpoints as they are; float ones fused. Heads set to (not) modify tensors in place."""
+    ckpt = read_checkpoint(weights, trust)
+    load = load_quantized_model if is_quantized(ckpt["model"]) else load_float_model
+    model = load(weights, device, trust)
+    for m in model.modules():
+        if hasattr(m, "inplace"):
+            m.inplace = inplace
+    return model

@@ -12,10 +12,8 @@ from pathlib import Path
 import onnx
 import torch
 import torch.nn as nn
-from onnx import TensorProto
 
-from models.checkpoint import load_float_model, load_quantized_model, read_checkpoint
-from models.quantize import is_quantized
+from models.checkpoint import load_for_export
 from models.task import task_of
 from utils.general import LOGGER, colorstr
 from utils.io_utils import atomic_write
@@ -71,18 +69,6 @@ def output_kind(end2end: NMSSettings | None) -> str:
     if end2end is None:
         return "plain"
     return "end2end" if end2end.kind == "onnx" else "end2end-efficient"
-
-
-def load_for_export(weights: str | Path, device: str | torch.device = "cpu", inplace: bool = False,
-                    trust: bool = False) -> nn.Module:
-    """Quantized checkpoints as they are; float ones fused. Heads set to (not) modify tensors in place."""
-    ckpt = read_checkpoint(weights, trust)
-    load = load_quantized_model if is_quantized(ckpt["model"]) else load_float_model
-    model = load(weights, device, trust)
-    for m in model.modules():
-        if hasattr(m, "inplace"):
-            m.inplace = inplace
-    return model
 
 
 def class_names(model: nn.Module) -> list[str]:
@@ -179,34 +165,6 @@ def report_lint(proto: onnx.ModelProto) -> LintReport:
 # --------------------------------------------------------------------------------------------------
 # Parity with ONNX Runtime
 # --------------------------------------------------------------------------------------------------
-ORT_FP16_QUANTIZE_FIXED = (1, 32)  # earlier CPU kernels truncate FP16 QuantizeLinear (onnxruntime PR 32452)
-
-
-def ort_session(path: str | Path, optimize: bool = False):
-    """CPU session. Without `optimize`, ONNX Runtime executes the Q/DQ graph as written (DQ then float ops),
-    which is the arithmetic the PyTorch fake-quant model does; with it, ORT fuses into its own int8 kernels.
-    An FP16 Q/DQ graph needs onnxruntime >= 1.32: older CPU kernels round FP16 QuantizeLinear toward zero."""
-    import onnxruntime as ort
-    version = tuple(int(v) for v in ort.__version__.split(".")[:2])
-    if version < ORT_FP16_QUANTIZE_FIXED and _has_fp16_quantize(path):
-        raise ValueError(f"{path}: an FP16 Q/DQ graph, which onnxruntime {ort.__version__} evaluates wrongly (its CPU "
-                         "QuantizeLinear truncates FP16 instead of rounding); use onnxruntime >= 1.32, or export "
-                         "with --dtype fp32 to check it here")
-    so = ort.SessionOptions()
-    so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
-                                   else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-    so.log_severity_level = 3
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-
-def _has_fp16_quantize(path: str | Path) -> bool:
-    graph = onnx.load(str(path), load_external_data=False).graph
-    consts = {t.name: t.data_type for t in graph.initializer}
-    consts.update({n.output[0]: a.t.data_type for n in graph.node if n.op_type == "Constant" for a in n.attribute
-                   if a.name == "value"})
-    return any(n.op_type == "QuantizeLinear" and consts.get(n.input[1]) == TensorProto.FLOAT16 for n in graph.node)
-
-
 # Parity tolerances for detections. ONNX Runtime and PyTorch compute the same Q/DQ arithmetic but sum each
 # convolution in another order, so a value sitting on an INT8 rounding boundary can land one step (1/127 of the
 # quantizer's range) apart and carry that step downstream. In the head a step of a class conv's input moves a

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import TensorProto
 import torch
 import torch.nn as nn
 
@@ -40,11 +41,38 @@ class TorchRunner:
         return {n: t.float().cpu() for n, t in zip(self.output_names, out)}
 
 
+ORT_FP16_QUANTIZE_FIXED = (1, 32)  # earlier CPU kernels truncate FP16 QuantizeLinear (onnxruntime PR 32452)
+
+
+def ort_session(path: str | Path, optimize: bool = False):
+    """CPU session. Without `optimize`, ONNX Runtime executes the Q/DQ graph as written (DQ then float ops),
+    which is the arithmetic the PyTorch fake-quant model does; with it, ORT fuses into its own int8 kernels.
+    An FP16 Q/DQ graph needs onnxruntime >= 1.32: older CPU kernels round FP16 QuantizeLinear toward zero."""
+    import onnxruntime as ort
+    version = tuple(int(v) for v in ort.__version__.split(".")[:2])
+    if version < ORT_FP16_QUANTIZE_FIXED and _has_fp16_quantize(path):
+        raise ValueError(f"{path}: an FP16 Q/DQ graph, which onnxruntime {ort.__version__} evaluates wrongly (its CPU "
+                         "QuantizeLinear truncates FP16 instead of rounding); use onnxruntime >= 1.32, or export "
+                         "with --dtype fp32 to check it here")
+    so = ort.SessionOptions()
+    so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                   else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _has_fp16_quantize(path: str | Path) -> bool:
+    graph = onnx.load(str(path), load_external_data=False).graph
+    consts = {t.name: t.data_type for t in graph.initializer}
+    consts.update({n.output[0]: a.t.data_type for n in graph.node if n.op_type == "Constant" for a in n.attribute
+                   if a.name == "value"})
+    return any(n.op_type == "QuantizeLinear" and consts.get(n.input[1]) == TensorProto.FLOAT16 for n in graph.node)
+
+
 class OnnxRuntimeRunner:
     """The ONNX graph as written (no ORT graph fusions: DQ then float ops, the arithmetic TensorRT is asked for)."""
 
     def __init__(self, path: str | Path):
-        from models.export import ort_session
         ops = {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
         if "EfficientNMS_TRT" in ops:
             raise ValueError(f"{path}: has an EfficientNMS_TRT node, which only TensorRT runs; evaluate the plain or "
@@ -138,7 +166,7 @@ def open_runner(path: str | Path, device: str = "cpu", trust: bool = False, flag
         return TensorRTRunner(path, _cuda(device) or "cuda:0")
     if path.suffix == ".onnx":
         return OnnxRuntimeRunner(path)
-    from models.export import load_for_export
+    from models.checkpoint import load_for_export  # pytorch-quantization: only for PyTorch checkpoints
     device = _cuda(device) if _cuda(device) and torch.cuda.is_available() else "cpu"
     return TorchRunner(load_for_export(path, device, trust=trust), device)
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import IMGSZ, build_model, run_cli, save_float_checkpoint
 
-from models.checkpoint import save_checkpoint
+from models.checkpoint import load_for_export, save_checkpoint
 from models.quantize import QuantRecipe, calibrate, quantize_model
-from models.export import load_for_export, verify_parity
+from models.export import verify_parity
 from utils.onnx_utils import constant_values
 from utils.qdq_lint import lint, lint_file
 

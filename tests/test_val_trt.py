@@ -83,7 +83,8 @@ def test_detections_match_box_for_box(quantized, demo_data320, tmp_path):
     the threshold has a candidate of the same class, IoU >= 0.8 and score within 0.1 in ONNX Runtime's raw output
     (models/export.py says why these bounds hold on any x86 CPU's kernels)."""
     import export_qat
-    from models.export import load_for_export, verify_parity
+    from models.checkpoint import load_for_export
+    from models.export import verify_parity
     weights = tmp_path / "fp32.pt"
     shutil.copy(quantized[0], weights)
     r = run_cli("export_qat.py", "--weights", weights, "--dynamic", "--imgsz", SIZE, "--dtype", "fp32")
