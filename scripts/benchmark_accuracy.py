@@ -607,7 +607,7 @@ def demo_table(out: Path) -> str:
             f"{d['data']}. A single run: the calibration method and the delivered stage were chosen on "
             f"{d['report']['select']['images']} held-out training images (the select rows), the other rows are "
             f"measured on the val images; it shows the workflow runs, not an accuracy claim (the table below is "
-            f"that); on another CPU these figures move by up to about 0.01.)")
+            f"that); on another CPU a few INT8 roundings flip and these figures move a little.)")
 
 
 def ablation_table(out: Path) -> str:
