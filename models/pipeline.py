@@ -62,6 +62,7 @@ class RunConfig:
     imgsz: int = 640
     batch_size: int = 10
     workers: int = 8
+    cache: str | None = None          # upstream's --cache: training images decoded once, kept in "ram" or on "disk"
     num_image: int | None = None      # evaluate on the first N validation images only
     seed: int = 57                    # calibration sample, data order and augmentation of every epoch
     quant: QuantRecipe = field(default_factory=QuantRecipe)
@@ -79,6 +80,8 @@ class RunConfig:
     def __post_init__(self):
         if self.epochs < 0 or self.iters < 0:
             raise ValueError("--epochs and --iters must be >= 0")
+        if self.cache not in (None, "ram", "disk"):
+            raise ValueError(f"--cache {self.cache}: ram or disk")
         if self.control and self.control not in CONTROL_PARTS:
             raise ValueError(f"--float-control must be one of {CONTROL_PARTS}, got {self.control!r}")
         if self.control and not self.epochs:
@@ -192,7 +195,7 @@ def train_loader(task: Task, data_dict: dict, cfg: RunConfig, hyp: dict, augment
     DataLoader (upstream's `close_mosaic` switch selects it; mosaic itself follows `hyp`): each pass re-draws its
     order from `loader.generator`, which `seeded_batches` seeds, the same on every rank."""
     loader, _ = task.dataloader(data_dict["train"], cfg.imgsz, cfg.batch_size // world.size, 32, hyp=hyp,
-                                augment=augment, workers=cfg.workers, shuffle=True, close_mosaic=True,
+                                augment=augment, workers=cfg.workers, cache=cfg.cache, shuffle=True, close_mosaic=True,
                                 prefix=colorstr("train: "))
     return rank_loader(loader, world.size, world.rank)
 

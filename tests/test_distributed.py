@@ -107,6 +107,24 @@ def _amax(weights):
             if q.amax is not None}
 
 
+def test_cached_training_images_give_the_same_batches(demo_data):
+    """`qat.py quantize --cache` (upstream's RAM cache of decoded, resized images) changes where the pixels come from,
+    not what they are: the same seeded batches, augmentations included, over two passes."""
+    from models.pipeline import RunConfig, train_loader
+    from models.task import DETECT
+    from utils.batches import load_data, load_hyp, seeded_batches
+    data, hyp = load_data(demo_data), load_hyp(CHECKOUT / "data" / "hyps" / "hyp.scratch-high.yaml")
+    runs = {}
+    for cache in (None, "ram"):
+        cfg = RunConfig(weights="", data=str(demo_data), hyp="", imgsz=int(IMGSZ), batch_size=4, workers=0, cache=cache)
+        loader = train_loader(DETECT, data, cfg, hyp, augment=True)
+        assert all(im is not None for im in loader.dataset.dataset.ims) == (cache == "ram")  # decoded up front
+        runs[cache] = list(seeded_batches(loader, torch.device("cpu"), 8, seed=3))
+    for plain, cached in zip(runs[None], runs["ram"]):
+        assert plain.paths == cached.paths and torch.equal(plain.images, cached.images)
+        assert torch.equal(plain.targets, cached.targets)
+
+
 def test_two_process_calibration_equals_one_process(gelan_t_weights, demo_data, tmp_path):
     """2 gloo ranks, global batch 4 (2 per rank) and 2 calibration batches, against one process calibrating on the
     same images in batches of 4 (other batches than either rank's: before the histograms were made independent of
