@@ -76,8 +76,8 @@ q, p, cal = report["quantizers"], export["parity"], report["calibration"]
 print(f"\nquantizers: {q['distinct']} ({q['weight']} weight, {q['activation']} activation); calibration "
       f"{cal['chosen']} (auto, on {report['select']['images']} held-out training images), "
       f"{cal['seconds']['collect']}s + {cal['seconds']['ranges_and_evaluations']}s; "
-      f"ONNX Runtime vs PyTorch on {p['images']} images: rel err {p['rel_err']['output0']:.1e}, "
-      f"detections matched {p['detections_matched']:.0%}, lint problems {export['lint']['problems']}")
+      f"ONNX Runtime vs PyTorch on {p['images']} images: detections matched {p['detections_matched']:.0%}, "
+      f"lint problems {export['lint']['problems']}")
 final = report["final"]
 print(f"\nINT8 model: {final['file']} ({final['stage']}{' epoch ' + str(final['epoch']) if final['epoch'] else ''})"
       f"\nONNX:       {export['onnx']}\nreport:     {runs / 'qat/report.json'}")
