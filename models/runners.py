@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto
 import torch
 import torch.nn as nn
+from onnx import TensorProto
 
 from models.task import Task, task_of, task_of_outputs
 from utils.onnx_utils import detect_export_mode

@@ -420,9 +420,10 @@ class ModelBench:
 
 def images_per_second(epochs: list[dict], batch_size: int, iters: int) -> float | None:
     """Training images per second of a run's QAT epochs (their `train_s`, the steps alone), as it ran: beside the
-    benchmark's other jobs on the same GPU and CPUs, so a floor for one run alone."""
+    benchmark's other jobs on the same GPU and CPUs, so a floor for one run alone. None where the epochs' length
+    is not a count of iterations (--iters 0: one pass over the images) or no time was recorded."""
     seconds = sum(e.get("train_s", 0) for e in epochs)
-    return round(len(epochs) * iters * batch_size / seconds, 1) if seconds else None
+    return round(len(epochs) * iters * batch_size / seconds, 1) if seconds and iters else None
 
 
 def _public(run: dict) -> dict:
