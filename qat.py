@@ -73,6 +73,12 @@ def _select_flags(q):
                    help="choose on the val images instead (their mAP is then optimistic; warned)")
 
 
+def _mixed_flags(q):
+    q.add_argument("--max-loss", type=float, default=None, metavar="MAP",
+                   help="mixed precision: keep INT8 tensors in float (FP16 in TensorRT), the fewest FLOPs first, until "
+                        "PTQ is within MAP (mAP50-95) of the float model on select, then fine-tune; default: all INT8")
+
+
 def _run_flags(q):
     q.add_argument("--iters", type=int, default=200, help="QAT iterations per epoch (0: one pass over the images)")
     q.add_argument("--epochs", type=int, default=10, help="QAT epochs (0: PTQ only)")
@@ -124,12 +130,14 @@ def parse_opt(argv=None):
     choose = q.add_argument_group("calibration and selection (every choice is made on the select split)")
     _calibration(choose)
     _select_flags(choose)
+    _mixed_flags(choose)
     _recipe_flags(q.add_argument_group("fine-tuning recipe"))
     _measurement_flags(q.add_argument_group("measurement only (what the benchmark compares; not for deployment)"))
 
     s = sub.add_parser("sensitive", help="per-layer quantization sensitivity of a float model")
     _common(s, "runs/qat_sensitive")
     _calibration(s, methods=CALIB_METHODS[1:], default="mse")
+    _select_flags(s)
 
     e = sub.add_parser("eval", help="evaluate a quantized checkpoint")
     _common(e, "runs/qat_eval")
@@ -171,7 +179,7 @@ def build(flags: dict) -> tuple[str, RunConfig, OutputDir, list[str]]:
     select = SelectConfig(fraction=flags.pop("select_fraction", 0.1), min_images=flags.pop("select_min", 100),
                           data=flags.pop("select_data", None), enabled=not flags.pop("no_select", False))
     cfg = RunConfig(quant=quant, qat=qat, nms=nms, select=select, epochs=flags.pop("epochs", 0), iters=flags.pop("iters", 0),
-                    control=flags.pop("float_control", None) or "",
+                    control=flags.pop("float_control", None) or "", max_loss=flags.pop("max_loss", None),
                     eval_origin=not flags.pop("no_eval_origin", False),
                     eval_ptq=not flags.pop("no_eval_ptq", False), hyp=flags.pop("hyp", str(ROOT / DEFAULT_HYP)),
                     **flags)

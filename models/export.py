@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from models.checkpoint import load_for_export
+from models.mixed_precision import float_conv_nodes, float_convs
 from models.task import task_of
 from utils.general import LOGGER, colorstr
 from utils.io_utils import atomic_write
@@ -21,7 +22,7 @@ from utils.onnx_fp16 import FP16_OPSET, to_fp16
 from utils.onnx_nms import NMSSettings, add_nms
 from utils.onnx_utils import export_onnx
 from utils.provenance import sha256, toolkit_commit
-from utils.qdq_lint import LintReport, lint
+from utils.qdq_lint import FLOAT_LAYERS_KEY, LintReport, lint
 
 PREFIX = colorstr("export: ")
 DTYPES = ("fp16", "fp32")  # the type of everything in a graph that is not INT8
@@ -133,6 +134,14 @@ def stamp(proto: onnx.ModelProto, settings: dict) -> onnx.ModelProto:
     return proto
 
 
+def mark_float_layers(proto: onnx.ModelProto, nodes: list[str]) -> onnx.ModelProto:
+    """Name the convs kept in float on purpose in the metadata, so the lint and the engine-graph gate count them
+    as intended."""
+    if nodes:
+        proto.metadata_props.append(onnx.StringStringEntryProto(key=FLOAT_LAYERS_KEY, value=json.dumps(nodes)))
+    return proto
+
+
 def export_model(cfg: ExportConfig) -> tuple[nn.Module, onnx.ModelProto, onnx.ModelProto]:
     """(the model, its plain graph, the graph to save: the plain one, or with NMS inside)."""
     device = torch.device(cfg.device)
@@ -142,6 +151,8 @@ def export_model(cfg: ExportConfig) -> tuple[nn.Module, onnx.ModelProto, onnx.Mo
         raise ValueError(f"--nms efficient: {cfg.weights} is a segmentation model, and EfficientNMS_TRT does not "
                          "output which anchors it kept, so their masks cannot follow; use --nms onnx (the default)")
     plain = export_graph(model, cfg.spec, device, output_names=task.output_names)
+    kept_float = float_conv_nodes(plain.graph, float_convs(model))
+    mark_float_layers(plain, kept_float)  # the end-to-end graph copies the plain one's metadata
     final = plain
     if cfg.end2end is not None:
         from models.runners import TorchRunner

@@ -36,7 +36,9 @@ from models.distributed import World, data_parallel, init, shutdown_after, world
 from models.checkpoint import load_float_model, load_quantized_model, read_checkpoint, save_checkpoint
 from models.evaluate import NMSConfig, evaluate, metrics_table, val_loader
 from models.finetune import FineTuner, QATObjective, QATRecipe, learnable_amax_parameters
-from models.quantize import (QuantRecipe, calibrate, collect_statistics, copy_float, is_quantized, layer_quantizers,
+from models.mixed_precision import (MixedPrecision, choose_float_set, deployment_summary, float_candidates, keep_float,
+                                    measure_candidates)
+from models.quantize import (QuantRecipe, calibrate, collect_statistics, copy_float, is_quantized,
                              named_quantizers, quantization_disabled, quantize_model, quantizer_counts)
 from models.selection import SelectConfig, SelectSplit, choose, choose_calibration, split_for
 from models.runners import TorchRunner
@@ -72,6 +74,7 @@ class RunConfig:
     iters: int = 200                  # per epoch; 0: one pass over the training images
     float_epochs: int = 0             # the first N epochs in float, then calibrated anew (one schedule over all)
     control: str = ""                 # float control: "all" quantizers disabled, or only "weights"/"activations"
+    max_loss: float | None = None     # mixed precision: tensors kept in float until PTQ is within this of float
     nms: NMSConfig = field(default_factory=NMSConfig)
     eval_origin: bool = True
     eval_ptq: bool = True
@@ -92,6 +95,11 @@ class RunConfig:
         if self.float_epochs and self.control:
             raise ValueError("--float-epochs with --float-control: the float control of a run with float epochs is "
                              "the plain --float-control run (the same schedule)")
+        if self.max_loss is not None:
+            MixedPrecision(self.max_loss)  # checks the value
+            if self.control or self.float_epochs:
+                raise ValueError("--max-loss chooses after the first calibration: not with --float-control or "
+                                 "--float-epochs")
         if self.float_epochs and (self.qat.learn_amax or self.qat.ema):
             raise ValueError("--float-epochs calibrates the ranges anew after the float epochs: not with "
                              "--learn-amax or --ema, whose learned ranges and averaged copy would not follow")
@@ -270,8 +278,9 @@ class QuantizeRun:
         kept (`auto`; a fixed method has one candidate)."""
         cfg, inputs, report = self.cfg, self.inputs, self.report
         model = inputs.model
-        if cfg.eval_origin:
+        if cfg.eval_origin or cfg.max_loss is not None:  # the budget is relative to the float model on select
             report["origin"] = self.measure(model, "origin (float)")
+        if cfg.eval_origin:
             report.setdefault("val", {})["origin"] = self.measure_val(lambda: model, "origin (float)", report["origin"])
         self.save_report()
         t0 = time.perf_counter()
@@ -290,6 +299,8 @@ class QuantizeRun:
         LOGGER.info(f"{PREFIX}{report['quantizers']['distinct']} quantizers calibrated on {len(seen)} images, "
                     f"{_scores_line(calibration['candidates'], chosen)}")
         report["ptq"] = results[chosen]
+        if cfg.max_loss is not None:
+            report["ptq"] = self.mix(model, report["origin"], report["ptq"])
         ptq_file = self.weights_dir / f"ptq_ap_{_ap_tag(report['ptq'])}_{self.stem}.pt"
         report["ptq_file"] = str(self.save(model, ptq_file, stage="ptq", metrics=report["ptq"]))
         report["qat"] = []
@@ -327,6 +338,36 @@ class QuantizeRun:
                   "seconds": {"collect": round(stats.collect_s, 2), "ranges": stats.amax_s,
                               "ranges_and_evaluations": round(time.perf_counter() - t1, 2)}}
         return record, results, seen
+
+    def mix(self, model: nn.Module, origin: dict | None, ptq: dict | None) -> dict | None:
+        """Mixed precision (models/mixed_precision.py): the INT8 tensors kept in float, chosen on select by rank 0
+        and applied on every rank; report.json's `mixed_precision`. Returns the select metrics of the PTQ model
+        now delivered as the PTQ stage."""
+        cfg, inputs, world, task = self.cfg, self.inputs, self.inputs.world, self.inputs.task
+        candidates = float_candidates(model, cfg.imgsz)
+        record = None
+        if world.main:
+            ptq = ptq or self.measure(model, "PTQ (all INT8)")
+            images = next(iter(inputs.select))[0].float().div(255).to(inputs.device)
+            record = choose_float_set(model, candidates, MixedPrecision(cfg.max_loss), task.score(origin),
+                                      task.score(ptq), lambda desc: task.score(self.measure(model, desc)),
+                                      lambda: TorchRunner(model)(images))
+        record = world.broadcast(record)
+        kept = {c["name"] for c in record["kept_float"]}
+        keep_float(model, [c for c in candidates if c.name in kept])
+        if kept:
+            ptq = self.measure(model, f"PTQ with {len(kept)} tensor class(es) in float")
+        if world.main:
+            record.update(deployment_summary(model, cfg.imgsz))
+        self.report["mixed_precision"] = record
+        if world.main:
+            LOGGER.info(f"{PREFIX}mixed precision: {len(record['float_convs'])} conv(s) kept in float, "
+                        f"{record['int8_mac_share']:.1%} of conv MACs in INT8, {record['boundaries']} INT8/float "
+                        f"boundaries; select {task.score(ptq):.4f} (all INT8 {record['all_int8_select']:.4f}, float "
+                        f"{record['origin_select']:.4f}, budget {cfg.max_loss})"
+                        + ("" if record["reached"] else ": NO set of the measured candidates reached the budget; "
+                                                         "the best one found is kept"))
+        return ptq
 
     def offer(self, stage: str, epoch: int, model: nn.Module, metrics: dict) -> None:
         """`model` becomes the delivered one (weights/best_{stem}.pt) where it beats the current one on select; the
@@ -459,7 +500,9 @@ class QuantizeRun:
         chosen = report["calibration"]["chosen"]
         val = report.get("val", {})
         recalibrated = report.get("recalibrated") or {}
-        rows = [("Origin (PyTorch), select", report.get("origin")), (f"PTQ {chosen}, select", report.get("ptq")),
+        mixed = report.get("mixed_precision")
+        kept = f" + {len(mixed['float_convs'])} float conv(s)" if mixed and mixed["float_convs"] else ""
+        rows = [("Origin (PyTorch), select", report.get("origin")), (f"PTQ {chosen}{kept}, select", report.get("ptq")),
                 (f"PTQ {recalibrated.get('chosen')} after {recalibrated.get('epoch')} float epochs, select",
                  recalibrated.get("metrics")),
                 (f"{fine_tuned}, select", None if best is None else task.metrics(best)),
@@ -540,51 +583,58 @@ def evaluate_checkpoint(cfg: RunConfig, out: OutputDir) -> dict:
 
 
 def sensitivity(cfg: RunConfig, out: OutputDir) -> dict:
-    """`qat.py sensitive`: PTQ with every quantizer, then the mAP with one layer's quantizers off at a time."""
+    """`qat.py sensitive`: PTQ with every quantizer, then each INT8 tensor class alone in float, measured on the
+    select split: the per-candidate costs that `quantize --max-loss` measures (models/mixed_precision.py)."""
     single_process("sensitive")
     if is_quantized(read_checkpoint(cfg.weights, cfg.trust_checkpoint)["model"]):
         raise ValueError(f"--weights {cfg.weights}: sensitivity analysis starts from the float (converted) model, "
                          "not a quantized one")
-    inputs = load_inputs(replace(cfg, epochs=0), choices=False)
+    inputs = load_inputs(replace(cfg, epochs=0))
     save_dir = out.create()
+    open_select_split(inputs, cfg, save_dir / "split")
     model = inputs.model
+    origin = measure(model, inputs, cfg.nms, "origin (float)", "select")
     quantize_model(model, cfg.quant)
     loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=False)
     n = min(cfg.quant.calib_batches, len(loader))
     calibrate(model, cfg.quant, (b.images for b in seeded_batches(loader, inputs.device, n, cfg.seed)))
-    baseline = measure(model, inputs, cfg.nms, "PTQ baseline (all layers INT8)")
-    layers = []
-    for i, layer in enumerate(model.model):
-        quantizers = layer_quantizers(model, i)
-        if quantizers:
-            with quantization_disabled(quantizers):
-                metrics = measure(model, inputs, cfg.nms, f"layer {i} ({type(layer).__name__}) in float")
-            layers.append({"layer": i, "module": type(layer).__name__, **metrics,
-                           "ap_gain": round(metrics["ap"] - baseline["ap"], 5)})
-    ranked = sorted(layers, key=lambda d: d["ap"], reverse=True)
-    lines = ["| Rank | Layer | Module | AP (layer float) | AP gain vs PTQ | AP50 |", "|---|---|---|---|---|---|"]
-    lines += [f"| {k + 1} | {d['layer']} | {d['module']} | {d['ap']:.4f} | {d['ap_gain']:+.4f} | {d['ap50']:.4f} |"
-              for k, d in enumerate(ranked[:10])]
+    task = inputs.task
+    baseline = measure(model, inputs, cfg.nms, "PTQ baseline (all INT8)", "select")
+    candidates = float_candidates(model, cfg.imgsz)
+    costs = measure_candidates(model, candidates, lambda desc: task.score(measure(model, inputs, cfg.nms, desc,
+                                                                                  "select")), task.score(baseline))
+    total = sum(c.macs for c in candidates) or 1
+    ranked = sorted(({"name": c.name, "layer": int(c.name.split(".")[1]), "convs": list(c.convs),
+                      "mac_share": round(c.macs / total, 5), "cost": costs[c.name]} for c in candidates),
+                    key=lambda d: d["cost"], reverse=True)
+    lines = ["| Rank | Tensor class (its quantizer) | Convs | MAC share | select mAP gained in float |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {k + 1} | {d['name'].removesuffix('._input_quantizer')} | {len(d['convs'])} | {d['mac_share']:.2%} | "
+              f"{d['cost']:+.4f} |" for k, d in enumerate(ranked[:10])]
     summary = {"weights": str(cfg.weights), "data": str(cfg.data), "calib_method": cfg.quant.calib_method,
-               "baseline_ptq": baseline, "layers": ranked, "table": "\n".join(lines)}
-    LOGGER.info(f"\nPTQ baseline AP {baseline['ap']:.4f}; the most sensitive layers:\n" + summary["table"])
+               "select": inputs.split.info(), "origin_select": origin, "baseline_ptq": baseline,
+               "candidates": ranked, "table": "\n".join(lines)}
+    LOGGER.info(f"\nselect: float {task.score(origin):.4f}, PTQ (all INT8) {task.score(baseline):.4f}; the tensor "
+                "classes whose INT8 costs the most:\n" + summary["table"])
     write_json(save_dir / "summary-sensitive-analysis.json", summary)
     _bar_chart(ranked, baseline, save_dir / "sensitive-analysis.png")
     LOGGER.info(f"{PREFIX}results saved to {colorstr('bold', save_dir)}")
     return summary
 
 
-def _bar_chart(layers: list[dict], baseline: dict, path: Path) -> None:
+def _bar_chart(candidates: list[dict], baseline: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    order = sorted(layers, key=lambda d: d["layer"])
-    fig, ax = plt.subplots(figsize=(max(6, len(order) * 0.35), 4))
-    ax.bar([str(d["layer"]) for d in order], [d["ap_gain"] for d in order], color="tab:blue")
+    order = sorted(candidates, key=lambda d: d["layer"])  # model order within a layer: a stable sort
+    fig, ax = plt.subplots(figsize=(max(6, len(order) * 0.12), 4))
+    ax.bar(range(len(order)), [d["cost"] for d in order], color="tab:blue")
+    starts = [k for k, d in enumerate(order) if k == 0 or order[k - 1]["layer"] != d["layer"]]
+    ax.set_xticks(starts, [str(order[k]["layer"]) for k in starts], fontsize=7)
     ax.axhline(0, color="black", linewidth=0.8)
-    ax.set_xlabel("layer kept in float")
-    ax.set_ylabel("AP gain over full INT8 PTQ")
-    ax.set_title(f"Quantization sensitivity (PTQ AP {baseline['ap']:.4f})")
+    ax.set_xlabel("tensor class kept in float (ticks: the layer it starts)")
+    ax.set_ylabel("select mAP gain over full INT8 PTQ")
+    ax.set_title(f"Quantization sensitivity on select (PTQ AP {baseline['ap']:.4f})")
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)

@@ -88,6 +88,12 @@ class Bench:
     ort_seeds: int
     work: Path
     out: Path
+    max_loss: float | None = None
+
+    def device_for(self, seed: int) -> str:
+        """--device 0,1: each seed's runs on one of the GPUs in turn (a run is one process on one device)."""
+        devices = self.device.split(",")
+        return devices[self.seeds.index(seed) % len(devices)] if seed in self.seeds else devices[0]
 
     @property
     def step_env(self) -> dict[str, str]:
@@ -99,8 +105,9 @@ class Bench:
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.jobs)))
         return env
 
-    def common(self, weights: Path, data: Path) -> list[str]:
-        return ["--weights", str(weights), "--data", str(data), "--imgsz", str(self.imgsz), "--device", self.device,
+    def common(self, weights: Path, data: Path, seed: int) -> list[str]:
+        return ["--weights", str(weights), "--data", str(data), "--imgsz", str(self.imgsz), "--device",
+                self.device_for(seed),
                 "--batch-size", str(self.batch_size), "--calib-batches", str(self.calib_batches), "--workers",
                 str(self.workers)]
 
@@ -156,7 +163,7 @@ def measure(model: Path, data: Path, out: Path, bench: Bench) -> dict:
     result = out / "val_trt.json"
     if not result.is_file():
         source = ["--onnx-file", str(model)] if model.suffix == ".onnx" else ["--weights", str(model), "--device",
-                                                                             bench.device]
+                                                                             bench.device_for(-1)]
         run_step([sys.executable, "val_trt.py", *source, "--data", str(data), "--imgsz", str(bench.imgsz),
                   "--batch-size", "8", "--workers", str(bench.workers), "--project", str(out.parent), "--name",
                   out.name, "--exist-ok"], out.with_suffix(".log"), bench.step_env)
@@ -216,7 +223,7 @@ class ModelBench:
     def quantize(self, folder: str, seed: int, extra: list[str]) -> dict:
         """A `qat.py quantize` run on --data (it carves the select split itself; checked to be this benchmark's)."""
         b = self.bench
-        r = quantize_run([*b.common(self.weights, Path(b.data)), "--seed", str(seed), "--no-eval-origin", *extra],
+        r = quantize_run([*b.common(self.weights, Path(b.data), seed), "--seed", str(seed), "--no-eval-origin", *extra],
                          self.work / folder, b.step_env)
         if r["select"]["fingerprint"] != self.select_fingerprint:
             raise RuntimeError(f"{self.work / folder}: qat.py held out other select images than the benchmark's split")
@@ -244,15 +251,15 @@ class ModelBench:
             runs = dict(zip(jobs, pool.map(one, jobs)))
         return {m: {str(s): runs[(m, s)] for s in b.seeds} for m in b.methods}
 
-    def default_command(self) -> dict:
+    def default_command(self, extra: tuple[str, ...] = ()) -> dict:
         """The command users run, per seed: `auto` calibration (its choice and every candidate's select mAP), QAT,
         the delivered model (the best on select of PTQ and every QAT epoch); the PTQ, the best QAT epoch, the last
-        and the delivered model measured on val."""
+        and the delivered model measured on val. `extra`: flags of a variant of it (--max-loss)."""
         b = self.bench
-        tag = "qat" + recipe_tag(b.qat_args)
+        tag = "qat" + recipe_tag(b.qat_args + extra)
 
         def one(s):
-            r = self.quantize(f"{tag}-seed{s}", s, self.finetune_args(*b.qat_args))
+            r = self.quantize(f"{tag}-seed{s}", s, self.finetune_args(*b.qat_args, *extra))
             d = self.work / f"{tag}-seed{s}"
             cal, final, epochs = r["calibration"], r["final"], r["qat"]
             ptq_val = measure(Path(r["ptq_file"]), self.report_yaml, d / "val-ptq", b)
@@ -265,7 +272,8 @@ class ModelBench:
                     "train_img_s": images_per_second(epochs, r["config"]["batch_size"], b.iters),
                     "best_epoch": best["epoch"], "select_by_epoch": [e["ap"] for e in epochs], "val_best": val_best,
                     "val_last": val_last, "final": {"stage": final["stage"], "epoch": final["epoch"]},
-                    "val_final": ptq_val if final["stage"] == "ptq" else val_best, "final_file": final["file"]}
+                    "val_final": ptq_val if final["stage"] == "ptq" else val_best, "final_file": final["file"],
+                    **({"mixed_precision": _mixed_summary(r["mixed_precision"])} if "mixed_precision" in r else {})}
         with self.pool() as pool:
             return dict(zip(map(str, b.seeds), pool.map(one, b.seeds)))
 
@@ -380,7 +388,9 @@ class ModelBench:
                  "ptq": {m: {s: _public(r) for s, r in runs.items()} for m, runs in ptq.items()},
                  "ptq_choice": choice, "not_run": list(skip)}
         ours = Path(ptq[choice][str(self.bench.seeds[0])]["file"])  # the deployed graph of our best stage
-        with ThreadPoolExecutor(2) as phases:
+        with ThreadPoolExecutor(3) as phases:
+            mixed = phases.submit(self.default_command, ("--max-loss", f"{self.bench.max_loss:g}")) \
+                if qat and self.bench.max_loss is not None else None
             control = phases.submit(self.control) if "fp_ft" not in skip else None
             deployed = phases.submit(self.deployed, qat) if qat and "ort" not in skip else None
             if qat:
@@ -390,6 +400,8 @@ class ModelBench:
                 entry["ort"] = deployed.result()
             if control:
                 entry["fp_ft"] = control.result()
+            if mixed:
+                entry["mixed"] = {s: _public(r) for s, r in mixed.result().items()}
         if self.bench.modelopt:
             peer = self.modelopt(ptq[choice])
             entry["modelopt"] = peer
@@ -415,7 +427,7 @@ class ModelBench:
 
     def settings(self) -> dict:
         return {k: v for k, v in asdict(self.bench).items() if k not in ("work", "out", "data", "jobs", "device",
-                                                                        "skip", "ort_seeds")}
+                                                                        "skip", "ort_seeds", "max_loss")}
 
 
 def images_per_second(epochs: list[dict], batch_size: int, iters: int) -> float | None:
@@ -424,6 +436,15 @@ def images_per_second(epochs: list[dict], batch_size: int, iters: int) -> float 
     is not a count of iterations (--iters 0: one pass over the images) or no time was recorded."""
     seconds = sum(e.get("train_s", 0) for e in epochs)
     return round(len(epochs) * iters * batch_size / seconds, 1) if seconds and iters else None
+
+
+def _mixed_summary(record: dict) -> dict:
+    """What the entry keeps of a run's mixed-precision record: the budget, what was kept in float and why, what it
+    costs the engine, the select mAP all-INT8 and mixed, and the time the choice took."""
+    keep = ("max_loss", "reached", "kept_float", "float_convs", "int8_mac_share", "boundaries", "lint_problems",
+            "origin_select", "all_int8_select", "mixed_select", "candidates", "seconds")
+    return {k: record[k] for k in keep if k in record} | {"measured": len(record.get("measured", {})),
+                                                          "tried": len(record.get("tried", []))}
 
 
 def _public(run: dict) -> dict:
@@ -483,6 +504,12 @@ def summarize(e: dict) -> dict:
         s["qat_vs_best_ptq"] = difference(s["qat_best"], best_ptq)
     if "fp_ft" in e:
         s["fp_ft_best"], s["fp_ft_last"] = over(e["fp_ft"], "val_best"), over(e["fp_ft"], "val_last")
+    if "mixed" in e:
+        s["mixed"] = over(e["mixed"], "val_final")
+        s["mixed_vs_fp"] = difference(s["mixed"], s["fp"])
+        s["mixed_int8_share"] = spread([r["mixed_precision"]["int8_mac_share"] for r in e["mixed"].values()])
+        if "fp_ft" in e:
+            s["mixed_vs_fp_ft"] = difference(s["mixed"], s["fp_ft_best"])
     if "qat" in e and "fp_ft" in e:
         s["quantization_cost"] = difference(s["final"], s["fp_ft_best"])      # delivered - its float control
     if "ort" in e:  # against the same seeds' delivered checkpoint in PyTorch: that is the file exported
@@ -526,6 +553,12 @@ def model_table(e: dict) -> str:
                            for r in e["qat"].values())
         rows.append((f"**Delivered by the default command** (best on select of PTQ and QAT epochs: {stages})",
                      s["final"], ""))
+    if "mixed" in s:
+        runs = e["mixed"].values()
+        budget = next(iter(runs))["mixed_precision"]["max_loss"]
+        kept = ", ".join(str(len(r["mixed_precision"]["float_convs"])) for r in runs)
+        rows.append((f"Delivered with --max-loss {budget:g} (convs kept in float per seed: {kept}; INT8 share of "
+                     f"conv MACs {fmt(s['mixed_int8_share'])})", s["mixed"], ""))
     for dtype, name in (("fp32", "QAT, FP32 Q/DQ graph in ONNX Runtime"),
                         ("fp16", "QAT, FP16 Q/DQ graph in ONNX Runtime (TensorRT 11's)")):
         rows.append((name, s.get("ort", {}).get(dtype), "" if "ort" in s else not_run))
@@ -540,6 +573,7 @@ def model_table(e: dict) -> str:
              "| Stage | mAP50-95 val, mean ± std (seeds) | mAP50-95 select |", "|---|---|---|"]
     lines += [f"| {name} | {fmt(v)} | {sel} |" for name, v, sel in rows]
     claims = [("Quantization cost (delivered - its FP control)", s.get("quantization_cost")),
+              ("Mixed precision - its FP control", s.get("mixed_vs_fp_ft")), ("Mixed precision - FP32", s.get("mixed_vs_fp")),
               ("Delivered - FP32", s.get("user_gain")),
               (f"Delivered - best fixed PTQ on val ({s['best_fixed_on_val']})", s.get("final_vs_best_fixed")),
               (f"PTQ auto - best fixed PTQ on val ({s['best_fixed_on_val']})", s.get("auto_vs_best_fixed")),
@@ -653,12 +687,20 @@ def _delivered_on_select(run: dict) -> float:
     return max(run["auto"]["candidates"][run["auto"]["chosen"]], *run["select_by_epoch"])
 
 
+def _entry_beside(folder: Path) -> dict:
+    """The entry an experiment's runs are set beside: `folder/entry.json` where the experiment names one (the entry
+    made on the machine its runs ran on: hosts of one kind differ by more than these differences), else the
+    model's current entry."""
+    own = folder / "entry.json"
+    return json.loads((own if own.is_file() else folder.parent / "entry.json").read_text())
+
+
 def _comparable_reports(folder: Path, entry: dict, ignore: tuple[str, ...] = ()) -> list[dict]:
     """The qat.py report.json files kept in `folder`, each a finished run with the entry's settings (`ignore`
     aside); anything else is refused: its numbers would not be comparable."""
     want = {k: v for k, v in _run_settings(entry).items() if k not in ignore}
     reports = []
-    for f in sorted(folder.glob("*.json")):
+    for f in sorted(p for p in folder.glob("*.json") if p.name != "entry.json"):
         r = json.loads(f.read_text())
         got = {k: v for k, v in _run_settings(r).items() if k not in ignore}
         if got != want or not r.get("finished"):
@@ -674,7 +716,7 @@ def partial_control_table(out: Path) -> str:
     control of the same seeds, select split and settings, each judged on select (best and last epoch)."""
     parts = []
     for folder in sorted(out.glob("*/*/partial-control")):
-        e = json.loads((folder.parent / "entry.json").read_text())
+        e = _entry_beside(folder)
         reports = _comparable_reports(folder, e)
         runs = {"": {str(k): r["select_by_epoch"] for k, r in e["qat"].items()},
                 "all": {str(k): r["select_by_epoch"] for k, r in e["fp_ft"].items()}}
@@ -704,7 +746,7 @@ def float_first_table(out: Path) -> str:
     runs (F = 0: PTQ of the float model as trained) of the same select split and settings."""
     parts = []
     for folder in sorted(out.glob("*/*/float-first")):
-        e = json.loads((folder.parent / "entry.json").read_text())
+        e = _entry_beside(folder)
         rows: dict[int, dict[str, list[float]]] = {0: {
             "float": [e["fp"]["select"]["ap"]] * len(e["qat"]),
             "ptq": [r["auto"]["candidates"][r["auto"]["chosen"]] for r in e["qat"].values()],
@@ -738,7 +780,7 @@ def longer_table(out: Path) -> str:
     same select split and settings but its number of epochs; delivered models (best on select) on select and val."""
     parts = []
     for folder in sorted(out.glob("*/*/longer")):
-        e = json.loads((folder.parent / "entry.json").read_text())
+        e = _entry_beside(folder)
         runs: dict[int, dict[str, dict[str, list[float]]]] = {e["settings"]["qat_epochs"]: {
             "qat": {"select": [_delivered_on_select(r)
                                for r in e["qat"].values()],
@@ -805,6 +847,8 @@ def parse_opt(argv=None):
     p.add_argument("--ort-seeds", type=int, default=None,
                    help="the first N seeds' delivered graphs measured in ONNX Runtime (default: every seed)")
     p.add_argument("--modelopt", action="store_true", help="also run NVIDIA Model Optimizer's ONNX PTQ")
+    p.add_argument("--max-loss", type=float, default=None,
+                   help="also run the default command with this mixed-precision budget (qat.py quantize --max-loss)")
     p.add_argument("--ablation", nargs="*", choices=sorted(ABLATION), default=None, metavar="VARIANT",
                    help=f"also run these QAT recipe variants beside the default, judged on select (none named: all "
                         f"of {', '.join(ABLATION)})")
@@ -863,7 +907,7 @@ def main(argv=None) -> int:
     bench = Bench(opt.dataset, str(Path(opt.data).resolve()), opt.imgsz, opt.device, opt.batch_size, opt.workers,
                   tuple(opt.seeds), tuple(opt.methods), opt.qat_epochs, opt.iters, opt.calib_batches,
                   tuple(shlex.split(opt.qat_args)), opt.modelopt, tuple(opt.skip), opt.jobs,
-                  opt.ort_seeds or len(opt.seeds), opt.work.resolve(), opt.out.resolve())
+                  opt.ort_seeds or len(opt.seeds), opt.work.resolve(), opt.out.resolve(), opt.max_loss)
     ablation = () if opt.ablation is None else tuple(opt.ablation) or tuple(ABLATION)
     for name, weights in opt.models.items():
         try:

@@ -182,17 +182,21 @@ def test_float_epochs_are_the_controls_then_qat_continues_from_a_new_calibration
     assert report["qat_best"]["epoch"] == 2
 
 
-def test_sensitive_ranks_layers(gelan_t_weights, demo_data, tmp_path):
+def test_sensitive_measures_every_tensor_class_on_select(gelan_t_weights, demo_data, tmp_path):
+    """The costs `--max-loss` measures, for every candidate (an INT8 tensor class and the convs reading it), on the
+    select split carved from the training images (the calibration images come from the rest)."""
     r = run_cli("qat.py", "sensitive", "--weights", gelan_t_weights, "--data", demo_data, *COMMON,
                 "--calib-batches", 1, "--calib-method", "max", "--num-image", 4, "--project", tmp_path, "--name", "s")
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "s" / "summary-sensitive-analysis.json").read_text())
-    layers = summary["layers"]
-    assert len(layers) >= 20 and {d["layer"] for d in layers} >= {0, 22}
-    aps = [d["ap"] for d in layers]
-    assert aps == sorted(aps, reverse=True)
+    assert summary["select"]["source"] == "train" and summary["select"]["fit_images"] > 0
+    assert (tmp_path / "s" / "split" / "select.txt").is_file()
+    candidates = summary["candidates"]
+    assert len(candidates) > 100 and {d["layer"] for d in candidates} >= {0, 22}
+    costs = [d["cost"] for d in candidates]
+    assert costs == sorted(costs, reverse=True) and sum(d["mac_share"] for d in candidates) == pytest.approx(1, abs=1e-3)
     assert (tmp_path / "s" / "sensitive-analysis.png").stat().st_size > 1000
-    assert "| Rank | Layer |" in summary["table"]
+    assert "| Rank | Tensor class" in summary["table"]
 
 
 @pytest.fixture(scope="module")

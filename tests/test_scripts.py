@@ -227,7 +227,8 @@ def test_benchmark_folders_are_named_by_what_decides_their_numbers():
 
 def _published_runs(tmp_path, folder: str):
     """The benchmark script as a module, and a copy of helmet gelan-s's entry with its published `folder` of runs
-    under tmp_path (the tables read an --out folder)."""
+    under tmp_path (the tables read an --out folder; the folder's own entry.json, the entry made on the runs'
+    machine, is copied as a file)."""
     import shutil
     call_cli("scripts/benchmark_accuracy.py", "--render", "--check")  # loads the script as a module
     src, dst = REPO / "results" / "helmet" / "gelan-s", tmp_path / "helmet" / "gelan-s"
@@ -240,8 +241,8 @@ def test_partial_controls_sit_only_beside_runs_of_the_same_settings(tmp_path):
     """The partial-control table sets qat.py reports beside their entry's QAT and float control, each part's best
     and last epoch over its seeds; a report made with other settings than the entry's is refused, not compared."""
     bench, dst = _published_runs(tmp_path, "partial-control")
-    entry = json.loads((dst / "entry.json").read_text())
-    reports = [json.loads(f.read_text()) for f in sorted((dst / "partial-control").glob("*.json"))]
+    entry = bench._entry_beside(dst / "partial-control")
+    reports = [json.loads(f.read_text()) for f in sorted((dst / "partial-control").glob("*-seed*.json"))]
     table = bench.partial_control_table(tmp_path)
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
     qat_best = sum(max(r["select_by_epoch"]) for r in entry["qat"].values()) / len(entry["qat"])
@@ -281,7 +282,7 @@ def test_longer_runs_sit_beside_the_entry_by_epochs(tmp_path):
     """The longer-runs table: one row per number of epochs, QAT and its float control each over their seeds (the
     entry's own runs as its row); a run with other settings than the entry's, epochs aside, is refused."""
     bench, dst = _published_runs(tmp_path, "longer")
-    reports = [json.loads(f.read_text()) for f in sorted((dst / "longer").glob("*.json"))]
+    reports = [json.loads(f.read_text()) for f in sorted((dst / "longer").glob("*-seed*.json"))]
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
             for line in bench.longer_table(tmp_path).splitlines() if line.startswith("| ")}
     epochs = {r["config"]["epochs"] for r in reports}
@@ -291,7 +292,7 @@ def test_longer_runs_sit_beside_the_entry_by_epochs(tmp_path):
     row = rows[str(*epochs)]
     assert row[4].startswith(f"{sum(qat_val) / len(qat_val):.4f} ± ") and len(qat_val) == len(control_val) == 3
     assert row[6].startswith(f"{sum(qat_val) / 3 - sum(control_val) / 3:+.4f}")
-    changed = sorted((dst / "longer").glob("*.json"))[0]
+    changed = sorted((dst / "longer").glob("*-seed*.json"))[0]
     report = json.loads(changed.read_text())
     changed.write_text(json.dumps({**report, "config": {**report["config"], "batch_size": 16}}))
     with pytest.raises(ValueError, match="not comparable"):

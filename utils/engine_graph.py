@@ -18,7 +18,9 @@ included, so that INT8 tensors flow from layer to layer) and exits 1 on either s
 - a requantization: a Reformat that quantizes a tensor an INT8 layer wrote in float (the INT8 result took a
   round trip through float), or converts INT8 to INT8 at another scale.
 Quantizing the output of a layer that computes in float (e.g. before a classifier, after FP16 pooling) and layout
-copies between float layers are allowed. --baseline OTHER.layer.json exits 1 when this engine has reformats of a
+copies between float layers are allowed. Layers kept in float on purpose (mixed precision, --skip-layers: the
+exporter names them in the ONNX metadata; `--onnx MODEL.onnx` reads them) are intended: a Reformat that feeds one
+is counted and named under "kept in float on purpose", not as a problem. --baseline OTHER.layer.json exits 1 when this engine has reformats of a
 kind the other has fewer of (NVIDIA's check of a QAT engine against the PTQ engine of the same model). --svg draws
 the engine graph with Graphviz (`dot`), coloured by precision; without `dot` the .dot file is written instead.
 """
@@ -32,6 +34,11 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import google.protobuf.message
+import onnx
+
+from utils.qdq_lint import float_layers
 
 PRECISION_COLOURS = {"INT8": "#76b900", "FP16": "#4f9fd8", "FP32": "#e8a33d", "FP8": "#9b59b6"}
 
@@ -70,6 +77,7 @@ class EngineReport:
     reformats: list = field(default_factory=list)
     internal_reformats: int = 0
     violations: list = field(default_factory=list)
+    intended: list = field(default_factory=list)   # dequantizations feeding a layer kept in float on purpose
     time_ms_by_precision: dict = field(default_factory=dict)
     time_share_by_precision: dict = field(default_factory=dict)
 
@@ -86,6 +94,9 @@ class EngineReport:
         lines.append(f"  against the QAT placement guidance: {len(self.violations)} "
                      + ("problem(s)" if self.violations else "problems (INT8 tensors flow from layer to layer)"))
         lines += [f"    {v['name']}: {v['reason']}" for v in self.violations]
+        if self.intended:
+            lines.append(f"  kept in float on purpose: {len(self.intended)} reformat(s) into "
+                         + ", ".join(sorted({v["layer"] for v in self.intended})))
         return "\n".join(lines)
 
 
@@ -124,10 +135,21 @@ def reformat_kind(src: str, dst: str, producer_precision: str | None) -> str:
     return "layout"
 
 
-def analyse(layers: list[dict], io: set[str], profile: dict[str, float] | None = None) -> EngineReport:
+def kept_float_layer(layer_names: list[str], kept_float: tuple[str, ...]) -> str | None:
+    """The first engine layer whose name holds one of the ONNX nodes kept in float (TensorRT names a fused layer
+    after the nodes it fused, joined by ' + ')."""
+    return next((name for name in layer_names for node in kept_float if node in name), None)
+
+
+def analyse(layers: list[dict], io: set[str], profile: dict[str, float] | None = None,
+            kept_float: tuple[str, ...] = ()) -> EngineReport:
     report = EngineReport(layers=len(layers), by_type=dict(Counter(layer.get("LayerType", "?") for layer in layers)),
                           by_precision=dict(Counter(layer_precision(layer) for layer in layers)))
     producer = {t.get("Name"): layer for layer in layers for t in layer.get("Outputs", [])}
+    readers: dict[str, list[str]] = {}
+    for layer in layers:
+        for t in layer.get("Inputs", []):
+            readers.setdefault(t.get("Name"), []).append(layer.get("Name", "?"))
     for layer in layers:
         if layer.get("LayerType") != "Reformat":
             continue
@@ -140,7 +162,10 @@ def analyse(layers: list[dict], io: set[str], profile: dict[str, float] | None =
         kind = reformat_kind(src, dst, None if feeder is None else layer_precision(feeder))
         report.reformats.append({"name": layer.get("Name", "?"), "origin": layer.get("Origin", "?"), "where": where,
                                  "kind": kind, "from": src, "to": dst})
-        if where == "inside" and kind == "dequantize":
+        intended = kept_float_layer([r for o in outs for r in readers.get(o, [])], kept_float)
+        if where == "inside" and kind == "dequantize" and intended:
+            report.intended.append({"name": layer.get("Name", "?"), "layer": intended})
+        elif where == "inside" and kind == "dequantize":
             report.violations.append({"name": layer.get("Name", "?"), "reason": "INT8 dequantized for a layer that "
                                       "computes in float between INT8 layers"})
         elif where == "inside" and kind == "requantize":
@@ -215,6 +240,8 @@ def parse_opt(argv=None):
                    help="exit 1 on a float layer left between INT8 layers or a requantization (see above)")
     p.add_argument("--baseline", default=None, help="another engine's layer JSON: exit 1 where this one has more "
                                                     "reformats of a kind")
+    p.add_argument("--onnx", default=None,
+                   help="the ONNX the engine was built from: its layers kept in float on purpose are intended")
     p.add_argument("--svg", type=Path, default=None, help="draw the engine graph (Graphviz)")
     p.add_argument("--json", type=Path, default=None, help="write the report as JSON")
     return p.parse_args(argv)
@@ -225,11 +252,12 @@ def main(argv=None) -> int:
     try:
         layers, io = load_layers(opt.layers)
         profile = load_profile(opt.profile) if opt.profile else None
-        report = analyse(layers, io, profile)
+        kept = float_layers(onnx.load(opt.onnx, load_external_data=False)) if opt.onnx else ()
+        report = analyse(layers, io, profile, kept)
         extra = extra_reformats(report, analyse(*load_layers(opt.baseline))) if opt.baseline else []
         if opt.svg:
             write_svg(to_dot(layers, io), opt.svg)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, KeyError, json.JSONDecodeError, google.protobuf.message.DecodeError) as e:
         print(f"engine_graph: error: {e}", file=sys.stderr)
         return 2
     print(report.summary())

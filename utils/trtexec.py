@@ -216,7 +216,7 @@ def build(graph: Graph, batches: BatchRange | None, allow_fp32: bool, profile: b
     if profile:
         from utils import engine_graph
         engine_graph.main([f"{base}.layer.json", "--profile", f"{base}.profile.json", "--svg", f"{base}.svg",
-                           "--json", f"{base}.graph-report.json"])
+                           "--json", f"{base}.graph-report.json", "--onnx", str(graph.path)])
     return engine
 
 

@@ -1,0 +1,209 @@
+"""Mixed precision to an accuracy budget: which INT8 tensors a run keeps in float (FP16 in the TensorRT graph).
+
+The unit that can go float is an INT8 tensor class: one activation quantizer (after the TensorRT scale-sharing
+rules, one object per tensor class) together with the weight quantizers of every conv that reads it. A whole class
+moves at once, so a join never mixes scales and no conv reads a float input with INT8 weights; what is left is a
+consistent Q/DQ graph whose float convs TensorRT runs in FP16.
+
+`qat.py quantize --max-loss X` chooses on the select split, after PTQ calibration (models/pipeline.py):
+1. rank every candidate by how much of the PTQ model's output error (against the float model, on one batch of
+   select images) goes away with that candidate alone in float: one forward pass each, no evaluation;
+2. measure the `measured` highest-ranked ones on select, each alone in float (its cost: select mAP gained);
+3. add them, most mAP per FLOP first, measuring the growing set, until PTQ is within X of the float model.
+If no set reaches X, the best set found is kept and the report says so. `qat.py sensitive` measures every
+candidate the same way (step 2 over all of them).
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import onnx
+import torch
+import torch.nn as nn
+from pytorch_quantization import nn as quant_nn
+from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
+
+from models.quantize import QuantRecipe, quantization_disabled, is_quantized, named_quantizers
+from utils.onnx_utils import model_to_onnx
+from utils.qdq_lint import lint, module_of
+
+CONVS = (nn.Conv2d, quant_nn.QuantConv2d)  # pytorch-quantization's conv is no nn.Conv2d subclass
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """`max_loss`: select mAP50-95 the PTQ model may lose against the float model; `measured`: how many of the
+    candidates ranked by output error are measured on select."""
+    max_loss: float
+    measured: int = 16
+
+    def __post_init__(self):
+        if self.max_loss < 0:
+            raise ValueError(f"--max-loss must be >= 0 (mAP below the float model), got {self.max_loss}")
+        if self.measured < 1:
+            raise ValueError(f"mixed precision must measure at least one candidate, got {self.measured}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str                # the activation quantizer of the INT8 tensor class
+    convs: tuple[str, ...]   # the convs that read it: they go float with it
+    macs: int                # their multiply-accumulates per image at the run's image size
+
+
+def conv_macs(model: nn.Module, imgsz: int) -> dict[str, int]:
+    """Multiply-accumulates per image of every conv (quantized or not), at `imgsz`."""
+    macs: dict[str, int] = {}
+    hooks = [m.register_forward_hook(lambda mod, _, out, name=name: macs.__setitem__(
+        name, out[0].numel() * mod.in_channels // mod.groups * mod.kernel_size[0] * mod.kernel_size[1]))
+             for name, m in model.named_modules() if isinstance(m, CONVS)]
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad(), quantization_disabled(q for _, q in named_quantizers(model)):
+            was_training = model.training
+            model.eval()
+            model(torch.zeros(1, 3, imgsz, imgsz, device=device))
+            model.train(was_training)
+    finally:
+        for h in hooks:
+            h.remove()
+    return macs
+
+
+def float_candidates(model: nn.Module, imgsz: int) -> list[Candidate]:
+    """Every INT8 tensor class read by a quantized conv, in model order."""
+    names = {id(q): n for n, q in named_quantizers(model, activations_only=True)}
+    readers: dict[int, list[str]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, quant_nn.QuantConv2d) and not m._input_quantizer._disabled:
+            readers.setdefault(id(m._input_quantizer), []).append(name)
+    macs = conv_macs(model, imgsz)
+    return [Candidate(names[k], tuple(convs), sum(macs[c] for c in convs)) for k, convs in readers.items()]
+
+
+def candidate_quantizers(model: nn.Module, candidates: list[Candidate]) -> list[TensorQuantizer]:
+    out = []
+    for c in candidates:
+        out.append(model.get_submodule(c.name))
+        out += [model.get_submodule(conv)._weight_quantizer for conv in c.convs]
+    return out
+
+
+@contextlib.contextmanager
+def kept_float(model: nn.Module, candidates: list[Candidate]) -> Iterator[None]:
+    """The model with `candidates` in float for the duration (their quantizers as identity)."""
+    with quantization_disabled(candidate_quantizers(model, candidates)):
+        yield
+
+
+def keep_float(model: nn.Module, candidates: list[Candidate]) -> None:
+    """Disable the candidates' quantizers for good: checkpoints, QAT and the export see them as float."""
+    for q in candidate_quantizers(model, candidates):
+        q.disable()
+
+
+def float_convs(model: nn.Module, recipe: QuantRecipe = QuantRecipe()) -> list[str]:
+    """The convs of a quantized model that compute in float by choice (--skip-layers, mixed precision), not by
+    design (the recipe's never_quantize: DFL)."""
+    if not is_quantized(model):
+        return []
+    out = []
+    for name, m in model.named_modules():
+        if not isinstance(m, CONVS) or any(re.search(p, name) for p in recipe.never_quantize):
+            continue
+        if not isinstance(m, quant_nn.QuantConv2d) or m._weight_quantizer._disabled:
+            out.append(name)
+    return out
+
+
+def float_conv_nodes(graph: onnx.GraphProto, convs: list[str]) -> list[str]:
+    """The Conv nodes of an exported graph traced from the modules `convs`."""
+    wanted = set(convs)
+    return [n.name for n in graph.node if n.op_type == "Conv" and module_of(n.name) in wanted]
+
+
+def output_error(outputs: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """Relative squared error per output channel (box coordinates, class scores, mask coefficients each weigh the
+    same whatever their units), summed."""
+    total = 0.0
+    for k, ref in reference.items():
+        ref, out = ref.transpose(0, 1).flatten(1).double(), outputs[k].transpose(0, 1).flatten(1).double()
+        total += float((((out - ref) ** 2).mean(1) / (ref ** 2).mean(1).clamp_min(1e-12)).sum())
+    return total
+
+
+def rank_by_output_error(run: Callable[[], dict[str, torch.Tensor]], model: nn.Module,
+                         candidates: list[Candidate]) -> tuple[float, dict[str, float]]:
+    """The all-INT8 model's output error, and each candidate's with it alone in float (lower: it caused more of
+    the PTQ error)."""
+    with quantization_disabled(q for _, q in named_quantizers(model)):
+        reference = run()
+    errors = {"all INT8": output_error(run(), reference)}
+    for c in candidates:
+        with kept_float(model, [c]):
+            errors[c.name] = output_error(run(), reference)
+    return errors.pop("all INT8"), errors
+
+
+def int8_mac_share(model: nn.Module, imgsz: int) -> float:
+    """The share of the convs' multiply-accumulates that run in INT8."""
+    macs = conv_macs(model, imgsz)
+    int8 = sum(v for k, v in macs.items() if isinstance(m := model.get_submodule(k), quant_nn.QuantConv2d)
+               and not m._weight_quantizer._disabled)
+    return int8 / max(sum(macs.values()), 1)
+
+
+def measure_candidates(model: nn.Module, candidates: list[Candidate], score: Callable[[str], float],
+                       baseline: float) -> dict[str, float]:
+    """Each candidate's cost in INT8: select mAP with it alone in float minus the all-INT8 model's."""
+    costs = {}
+    for c in candidates:
+        with kept_float(model, [c]):
+            costs[c.name] = round(score(f"{c.name.removesuffix('._input_quantizer')} in float") - baseline, 6)
+    return costs
+
+
+def choose_float_set(model: nn.Module, candidates: list[Candidate], plan: MixedPrecision, origin: float, ptq: float,
+                     score: Callable[[str], float], run: Callable[[], dict[str, torch.Tensor]]) -> dict:
+    """The candidates to keep in float (see the module's docstring) and the record of the choice: the budget, the
+    candidates measured and their costs, the sets tried, and whether the budget was reached."""
+    t0 = time.perf_counter()
+    target = origin - plan.max_loss
+    record = {"max_loss": plan.max_loss, "origin_select": origin, "all_int8_select": ptq, "candidates": len(candidates)}
+    if ptq >= target:
+        return {**record, "reached": True, "kept_float": [], "mixed_select": ptq, "measured": {}, "tried": [],
+                "seconds": round(time.perf_counter() - t0, 2)}
+    all_int8_error, errors = rank_by_output_error(run, model, candidates)
+    ranked = sorted(candidates, key=lambda c: errors[c.name])[:plan.measured]
+    costs = measure_candidates(model, ranked, score, ptq)
+    gainful = sorted((c for c in ranked if costs[c.name] > 0), key=lambda c: costs[c.name] / c.macs, reverse=True)
+    best, chosen, tried = (ptq, []), [], []
+    for c in gainful:
+        chosen.append(c)
+        with kept_float(model, chosen):
+            s = score(f"{len(chosen)} tensor class(es) in float")
+        tried.append({"kept_float": [x.name for x in chosen], "select": s})
+        if s > best[0]:
+            best = (s, list(chosen))
+        if s >= target:
+            break
+    return {**record, "reached": best[0] >= target, "kept_float": [asdict(c) | {"cost": costs[c.name]}
+                                                                   for c in best[1]],
+            "mixed_select": best[0], "measured": {c.name: {"cost": costs[c.name], "output_error": errors[c.name]}
+                                                  for c in ranked},
+            "tried": tried, "output_error_all_int8": all_int8_error, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def deployment_summary(model: nn.Module, imgsz: int) -> dict:
+    """What the engine of `model` will hold: the convs in float, the share of conv MACs in INT8, the INT8/float
+    boundaries (from the Q/DQ lint of the graph the export writes, traced small: the topology is the same) and
+    the lint's problem count (0: every join shares its scale, every float conv is float on purpose)."""
+    convs = float_convs(model)
+    proto = model_to_onnx(model)
+    report = lint(proto, kept_float=tuple(float_conv_nodes(proto.graph, convs)))
+    return {"float_convs": convs, "int8_mac_share": round(int8_mac_share(model, imgsz), 4),
+            "boundaries": len(report.boundaries), "lint_problems": report.problems}

@@ -1,0 +1,168 @@
+"""Mixed precision (`qat.py quantize --max-loss`): the candidates, the choice, the deployable graph, the CLI."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+
+import onnx
+import pytest
+import torch
+from conftest import IMGSZ, REPO, TRAINED_T, run_cli
+from pytorch_quantization import nn as quant_nn
+
+from models.checkpoint import load_float_model, save_checkpoint
+from models.mixed_precision import (MixedPrecision, choose_float_set, conv_macs, float_candidates, float_convs,
+                                    int8_mac_share, keep_float)
+from models.runners import TorchRunner
+from models.quantize import QuantRecipe, calibrate, quantize_model
+from utils.engine_graph import analyse
+from utils.onnx_utils import model_to_onnx
+from utils.qdq_lint import FLOAT_LAYERS_KEY, lint, lint_file, module_of
+
+
+@pytest.fixture(scope="module")
+def ptq_model(demo_data):
+    """The trained demo gelan-t, quantized and calibrated (max) on a few demo images."""
+    import export_qat
+    model = load_float_model(TRAINED_T)
+    quantize_model(model)
+    calibrate(model, QuantRecipe(calib_method="max"), export_qat.verification_images(str(demo_data), IMGSZ, 2, 2))
+    return model
+
+
+def test_candidates_cover_every_quantized_conv_once(ptq_model):
+    """Each INT8 tensor class is one candidate: every quantized conv belongs to exactly one, and the convs of a
+    candidate read its quantizer (so keeping it in float leaves no conv with a float input and INT8 weights)."""
+    candidates = float_candidates(ptq_model, IMGSZ)
+    convs = [c for cand in candidates for c in cand.convs]
+    quantized = [n for n, m in ptq_model.named_modules() if isinstance(m, quant_nn.QuantConv2d)]
+    assert sorted(convs) == sorted(quantized) and len(set(convs)) == len(convs)
+    for cand in candidates:
+        assert all(ptq_model.get_submodule(c)._input_quantizer is ptq_model.get_submodule(cand.name)
+                   for c in cand.convs)
+    macs = conv_macs(ptq_model, IMGSZ)
+    assert sum(c.macs for c in candidates) == sum(macs[c] for c in quantized) > 0
+    assert any(len(c.convs) > 1 for c in candidates)  # shared inputs (ELAN splits, the head's branches) move as one
+
+
+def test_kept_float_tensor_classes_export_lint_clean_and_named(ptq_model, tmp_path):
+    """Two tensor classes kept in float (one in the backbone, one in the head): the export names exactly their convs
+    in its metadata, the lint counts them as intended (0 unquantized convs, 0 unshared joins) and finds the
+    INT8/float boundaries they add (none in the all-INT8 graph); module_of maps every Conv node to its module."""
+    import export_qat
+    model = copy.deepcopy(ptq_model)  # the fixture is shared
+    all_int8 = lint(model_to_onnx(model))
+    assert all_int8.boundaries == [] and all_int8.problems == 0
+    candidates = float_candidates(model, IMGSZ)
+    chosen = [next(c for c in candidates if c.name.startswith("model.4.")),
+              next(c for c in candidates if c.name.startswith("model.22.cv3.0.2"))]
+    keep_float(model, chosen)
+    convs = float_convs(model)
+    assert sorted(convs) == sorted(c for cand in chosen for c in cand.convs)
+    macs = conv_macs(model, IMGSZ)
+    dfl = sum(v for k, v in macs.items() if ".dfl." in k)  # float by design in every build
+    assert int8_mac_share(model, IMGSZ) == pytest.approx(1 - (sum(c.macs for c in chosen) + dfl) / sum(macs.values()))
+    weights = save_checkpoint(model, tmp_path / "mixed.pt")
+    opt = export_qat.parse_opt(["--weights", str(weights), "--include", "onnx", "--imgsz", str(IMGSZ),
+                                "--dtype", "fp32"])
+    result = export_qat.run(**vars(opt))
+    proto = onnx.load(result["onnx"])
+    named = json.loads({p.key: p.value for p in proto.metadata_props}[FLOAT_LAYERS_KEY])
+    assert sorted(module_of(n) for n in named) == sorted(convs)
+    assert all(model.get_submodule(module_of(n.name)) is not None for n in proto.graph.node if n.op_type == "Conv")
+    report = lint_file(result["onnx"])
+    assert report.problems == 0 and report.unquantized_convs == [] and sorted(report.intended_float) == sorted(named)
+    assert len(report.boundaries) >= len(chosen)
+    unnamed = lint(proto, kept_float=())  # the same graph without the metadata: the float convs are problems
+    assert len(unnamed.unquantized_convs) == len(convs)
+
+
+def _scored(model, candidates, gains, base):
+    """A select score that is `base` plus the gain of every candidate now in float (read off the model's
+    quantizers): the selection logic on the real model, with known costs."""
+    def score(desc):
+        return base + sum(g for c, g in zip(candidates, gains) if model.get_submodule(c.name)._disabled)
+    return score
+
+
+def test_choose_keeps_the_cheapest_set_that_reaches_the_budget(ptq_model):
+    """Candidates added most mAP per MAC first, measuring the growing set, until the budget is met; unreachable: the
+    best set found, said so; already within: nothing measured. Costs are what the candidate alone gains."""
+    model = copy.deepcopy(ptq_model)
+    images = torch.rand(2, 3, IMGSZ, IMGSZ)
+    run = lambda: TorchRunner(model)(images)  # noqa: E731
+    candidates = float_candidates(model, IMGSZ)[:4]
+    by_mac = sorted(candidates, key=lambda c: c.macs)
+    gains = [0.004 if c is by_mac[0] else 0.002 if c is by_mac[-1] else -0.001 for c in candidates]
+    plan = MixedPrecision(max_loss=0.001, measured=4)
+    record = choose_float_set(model, candidates, plan, origin=0.5, ptq=0.495, score=_scored(model, candidates, gains,
+                                                                                           0.495), run=run)
+    assert record["reached"] and [c["name"] for c in record["kept_float"]] == [by_mac[0].name]
+    assert record["kept_float"][0]["cost"] == pytest.approx(0.004) and record["mixed_select"] == pytest.approx(0.499)
+    assert len(record["measured"]) == 4 and not any(model.get_submodule(c.name)._disabled for c in candidates)
+    record = choose_float_set(model, candidates, MixedPrecision(max_loss=0.0, measured=4), origin=0.51, ptq=0.495,
+                              score=_scored(model, candidates, gains, 0.495), run=run)
+    assert not record["reached"] and [t["kept_float"] for t in record["tried"]] == [
+        [by_mac[0].name], [by_mac[0].name, by_mac[-1].name]]  # only the gainful ones, the most per MAC first
+    assert {c["name"] for c in record["kept_float"]} == {by_mac[0].name, by_mac[-1].name}
+    assert record["mixed_select"] == pytest.approx(0.501)
+    calls = []
+    record = choose_float_set(model, candidates, plan, origin=0.5, ptq=0.4995,
+                              score=lambda d: calls.append(d) or 0.0, run=run)
+    assert record["reached"] and record["kept_float"] == [] and calls == []
+
+
+def test_quantize_max_loss_names_float_layers_and_exports_clean(demo_data320, tmp_path):
+    """`qat.py quantize --max-loss 0` from a PTQ that loses on select (max ranges from one batch): the report names
+    the tensor classes kept in float, their measured cost and what they cost the engine; the delivered model keeps
+    them in float and exports lint-clean, with ONNX Runtime matching PyTorch."""
+    r = run_cli("qat.py", "quantize", "--weights", TRAINED_T, "--data", demo_data320, "--imgsz", 320, "--batch-size",
+                2, "--device", "cpu", "--workers", 0, "--num-image", 16, "--epochs", 1, "--iters", 2, "--calib-batches",
+                1, "--calib-method", "max", "--max-loss", 0, "--project", tmp_path, "--name", "m")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    report = json.loads((tmp_path / "m" / "report.json").read_text())
+    mp = report["mixed_precision"]
+    assert mp["all_int8_select"] < mp["origin_select"]  # the premise: all INT8 loses on select
+    assert mp["kept_float"] and all(c["cost"] > 0 for c in mp["kept_float"])
+    assert sorted(mp["float_convs"]) == sorted(c for k in mp["kept_float"] for c in k["convs"])
+    assert 0.9 < mp["int8_mac_share"] < 1 and mp["boundaries"] >= 1 and mp["lint_problems"] == 0
+    assert mp["mixed_select"] > mp["all_int8_select"] and report["ptq"]["ap"] == pytest.approx(mp["mixed_select"],
+                                                                                            abs=1e-4)
+    assert "float conv(s), select" in report["table"] and "mixed precision:" in r.stderr + r.stdout
+    final = report["final"]["file"]
+    e = run_cli("export_qat.py", "--weights", final, "--include", "onnx", "--imgsz", 320, "--dtype", "fp32",
+                "--verify", "--data", demo_data320, "--json", tmp_path / "export.json")
+    assert e.returncode == 0, e.stderr[-3000:]
+    result = json.loads((tmp_path / "export.json").read_text())
+    assert result["lint"]["problems"] == 0 and len(result["lint"]["intended_float"]) == len(mp["float_convs"])
+    assert result["parity"]["detections_matched"] >= 0.95  # tolerance: models/export.py (one INT8 step flips)
+
+
+def test_engine_graph_counts_kept_float_layers_as_intended(tmp_path):
+    """A dequantizing Reformat inside the network is a problem, unless it feeds a layer the ONNX names as kept in
+    float: then it is counted and named as intended (TensorRT 11 layer JSON; the names as TensorRT fuses them)."""
+    def t(name, dtype):
+        return {"Name": name, "Format": "kLINEAR", "DataType": dtype}
+    layers = {"I/O Tensors": [{"Name": "images"}, {"Name": "out"}], "Layers": [
+        {"Name": "/model.0/conv/Conv + /model.0/act/Sigmoid", "LayerType": "CaskConvolution",
+         "Inputs": [t("a", "Int8")], "Outputs": [t("b", "Int8")]},
+        {"Name": "deq", "LayerType": "Reformat", "Origin": "QDQ", "Inputs": [t("b", "Int8")], "Outputs": [t("c", "Half")]},
+        {"Name": "/model.1/conv/Conv + PWN(/model.1/act/Sigmoid)", "LayerType": "CaskConvolution",
+         "Inputs": [t("c", "Half")], "Outputs": [t("out", "Half")]}]}
+    path = tmp_path / "m.layer.json"
+    path.write_text(json.dumps(layers))
+    from utils.engine_graph import load_layers
+    plain = analyse(*load_layers(path))
+    assert [v["name"] for v in plain.violations] == ["deq"] and plain.intended == []
+    kept = analyse(*load_layers(path), kept_float=("/model.1/conv/Conv",))
+    assert kept.violations == [] and kept.intended == [{"name": "deq", "layer": layers["Layers"][2]["Name"]}]
+    graph = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))
+    graph.metadata_props.append(onnx.StringStringEntryProto(key=FLOAT_LAYERS_KEY, value='["/model.1/conv/Conv"]'))
+    onnx.save(graph, tmp_path / "m.onnx")
+    run = lambda *a: subprocess.run([os.sys.executable, "-m", "utils.engine_graph", str(path), "--strict", *a],  # noqa: E731
+                                    cwd=REPO, capture_output=True, text=True)
+    assert run().returncode == 1
+    r = run("--onnx", str(tmp_path / "m.onnx"))
+    assert r.returncode == 0 and "kept in float on purpose: 1 reformat(s) into /model.1/conv/Conv" in r.stdout
