@@ -43,7 +43,7 @@ from models.quantize import (QuantRecipe, calibrate, collect_statistics, copy_fl
 from models.selection import SelectConfig, SelectSplit, choose, choose_calibration, split_for
 from models.runners import TorchRunner
 from models.task import Task, task_of
-from utils.batches import load_data, load_hyp, rank_loader, seeded_batches
+from utils.batches import load_data, load_hyp, seeded_batches, seeded_rank_loader
 from utils.general import LOGGER, colorstr
 from utils.io_utils import Interrupted, OutputDir, atomic_write, write_json
 from utils.torch_utils import select_device
@@ -199,13 +199,13 @@ def open_select_split(inputs: Inputs, cfg: RunConfig, folder: Path) -> None:
 
 
 def train_loader(task: Task, data_dict: dict, cfg: RunConfig, hyp: dict, augment: bool, world: World = World()):
-    """Shuffled training batches: this rank's share of each global batch (utils/batches.py `rank_loader`). A plain
-    DataLoader (upstream's `close_mosaic` switch selects it; mosaic itself follows `hyp`): each pass re-draws its
-    order from `loader.generator`, which `seeded_batches` seeds, the same on every rank."""
+    """Shuffled training batches: this rank's share of each global batch (utils/batches.py `seeded_rank_loader`). A
+    plain DataLoader (upstream's `close_mosaic` switch selects it; mosaic itself follows `hyp`): each pass re-draws
+    its order from `loader.generator`, which `seeded_batches` seeds, the same on every rank."""
     loader, _ = task.dataloader(data_dict["train"], cfg.imgsz, cfg.batch_size // world.size, 32, hyp=hyp,
                                 augment=augment, workers=cfg.workers, cache=cfg.cache, shuffle=True, close_mosaic=True,
                                 prefix=colorstr("train: "))
-    return rank_loader(loader, world.size, world.rank)
+    return seeded_rank_loader(loader, world.size, world.rank)
 
 
 def controlled_quantizers(model: nn.Module, part: str) -> list[nn.Module]:

@@ -45,29 +45,28 @@ class SelectConfig:
 class SelectSplit:
     """The images choices are made on, and the training images left for calibration and fine-tuning (None: all
     of them)."""
-    select: tuple[Path, ...] | str       # image files, or an upstream `val` entry (a folder or a .txt list)
+    select: tuple[Path, ...]             # the image files
     fit: tuple[Path, ...] | None
     source: str                          # "train" (carved), "select-data" or "val" (no split)
 
     def info(self) -> dict:
         """For report.json: the source, image counts and the select images' fingerprint."""
-        select = self.select if isinstance(self.select, tuple) else tuple(image_files(self.select))
-        return {"source": self.source, "images": len(select), "fingerprint": fingerprint(select),
+        return {"source": self.source, "images": len(self.select), "fingerprint": fingerprint(self.select),
                 **({} if self.fit is None else {"fit_images": len(self.fit)})}
 
     def write(self, folder: Path, write: bool = True) -> tuple[str, str | None]:
-        """The select and fit image lists as upstream `val`/`train` entries: .txt files in `folder`, written
-        where `write` (one process of a distributed job writes, the others read)."""
-        if not isinstance(self.select, tuple):
-            return self.select, None
-        lists = {folder / "select.txt": self.select, folder / "fit.txt": self.fit}
+        """The select and fit image lists as upstream `val`/`train` entries: .txt files in `folder` (no fit list
+        where the training images are not split), written where `write` (one process of a distributed job writes,
+        the others read)."""
+        lists = {folder / "select.txt": self.select, **({} if self.fit is None else {folder / "fit.txt": self.fit})}
         if write:
             folder.mkdir(parents=True, exist_ok=True)
             for path, files in lists.items():
                 text = "".join(f"{f}\n" for f in files)
                 if not path.is_file() or path.read_text() != text:
                     atomic_write(path, lambda tmp, t=text: Path(tmp).write_text(t))
-        return tuple(str(path) for path in lists)
+        paths = [str(path) for path in lists]
+        return paths[0], paths[1] if len(paths) > 1 else None
 
 
 def split_for(data_dict: dict, cfg: SelectConfig, data_flag: str) -> SelectSplit:
@@ -76,11 +75,11 @@ def split_for(data_dict: dict, cfg: SelectConfig, data_flag: str) -> SelectSplit
         from utils.batches import load_data
         if not Path(cfg.data).is_file():
             raise FileNotFoundError(f"--select-data {cfg.data}: file not found")
-        return SelectSplit(load_data(cfg.data)["val"], None, "select-data")
+        return SelectSplit(_listed(load_data(cfg.data)["val"], f"--select-data {cfg.data}"), None, "select-data")
     if not cfg.enabled:
         LOGGER.warning(f"{PREFIX}--no-select: the calibration method, the best epoch and the delivered model are "
                        "chosen on the val images, so their val mAP is optimistic")
-        return SelectSplit(data_dict["val"], None, "val")
+        return SelectSplit(_listed(data_dict["val"], f"--data {data_flag}"), None, "val")
     train = image_files(data_dict["train"])
     if len(train) < 4:
         raise ValueError(f"--data {data_flag}: {len(train)} training image(s) are too few to hold out a select split "
@@ -92,6 +91,17 @@ def split_for(data_dict: dict, cfg: SelectConfig, data_flag: str) -> SelectSplit
         raise ValueError(f"--data {data_flag}: none of the {len(split.select)} held-out training images has a label; "
                          "choices made on them would be noise (give --select-data)")
     return SelectSplit(split.select, split.fit, "train")
+
+
+def _listed(val, flag: str) -> tuple[Path, ...]:
+    """The images of an upstream `val` entry, listed once (the run's split/select.txt records them)."""
+    try:
+        files = tuple(image_files(val))
+    except FileNotFoundError as e:
+        raise ValueError(f"{flag}: val {e}") from None
+    if not files:
+        raise ValueError(f"{flag}: val {val} holds no images")
+    return files
 
 
 def choose(scores: dict[str, float | None]) -> str:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 from conftest import CHECKOUT, IMGSZ, call_cli
 
@@ -68,7 +69,7 @@ def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data
     one process loads in 2 workers and the ranks in none (each item's augmentation is seeded by its index); a new pass
     over the images gets a new order and new augmentations."""
     from models.task import DETECT
-    from utils.batches import load_data, load_hyp, rank_loader, seeded_batches
+    from utils.batches import load_data, load_hyp, seeded_batches, seeded_rank_loader
     data, hyp = load_data(demo_data), load_hyp(CHECKOUT / "data" / "hyps" / "hyp.scratch-high.yaml")
 
     def loader(batch_size, workers):
@@ -77,8 +78,9 @@ def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data
         return made
 
     steps = 8  # 24 images: two passes of 6 steps of 4
-    one = list(seeded_batches(rank_loader(loader(4, 2), 1, 0), torch.device("cpu"), steps, seed=7))
-    ranks = [list(seeded_batches(rank_loader(loader(2, 0), 2, r), torch.device("cpu"), steps, seed=7)) for r in (0, 1)]
+    one = list(seeded_batches(seeded_rank_loader(loader(4, 2), 1, 0), torch.device("cpu"), steps, seed=7))
+    ranks = [list(seeded_batches(seeded_rank_loader(loader(2, 0), 2, r), torch.device("cpu"), steps, seed=7))
+             for r in (0, 1)]
     assert [sum(len(b.paths) for b in shares) for shares in ranks] == [2 * steps, 2 * steps]  # each its share only
     assert [r0.paths + r1.paths for r0, r1 in zip(*ranks)] == [b.paths for b in one]
     assert not set(ranks[0][0].paths) & set(ranks[1][0].paths)
@@ -88,6 +90,8 @@ def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data
     first = {p: im for b in one[:6] for p, im in zip(b.paths, b.images)}
     assert [b.paths for b in one[6:]] != [b.paths for b in one[:2]]
     assert not all(torch.equal(first[p], im) for p, im in again.items())
+    with pytest.raises(TypeError, match="seeded_rank_loader"):  # a plain loader's augmentations follow its workers
+        next(seeded_batches(loader(4, 0), torch.device("cpu"), 1, seed=7))
 
 
 def _torchrun(*args, cwd=CHECKOUT, timeout=900):

@@ -118,7 +118,9 @@ def test_no_select_warns_and_measures_the_val_images_once(gelan_t_weights, demo_
     assert report["val"]["final"] == {k: report["final"][k] for k in report["val"]["final"]}
     assert report["val"]["origin"] == report["origin"]
     assert "(val)" not in out  # every evaluation ran on select (= val), none twice
-    assert not (tmp_path / "run" / "split").exists()
+    listed = (tmp_path / "run" / "split" / "select.txt").read_text().split()  # what the choices were made on
+    assert len(listed) == report["select"]["images"] and all("/val/" in f for f in listed)
+    assert not (tmp_path / "run" / "split" / "fit.txt").exists()  # the training images are not split
 
 
 def test_float_control_parts_parse_and_old_reports_resume(gelan_t_weights, demo_data):

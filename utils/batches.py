@@ -79,9 +79,10 @@ class RankBatches(torch.utils.data.Sampler):
         return self.n // (self.per_rank * self.size)
 
 
-def rank_loader(loader, world_size: int, rank: int):
-    """`loader` (upstream's, shuffling, of this rank's batch size) over `SeededItems`, loading only this rank's share
-    of each global batch (`RankBatches`; one process is the job of one rank, drawing its orders the same way)."""
+def seeded_rank_loader(loader, world_size: int, rank: int):
+    """`loader` (upstream's, shuffling, of this rank's batch size) re-made over `SeededItems` (each image augmented
+    from the seed, the pass and its index), loading only this rank's share of each global batch (`RankBatches`;
+    one process is the job of one rank, drawing its orders the same way): what `seeded_batches` reads."""
     items = SeededItems(loader.dataset)
     sampler = RankBatches(len(items), loader.batch_size, world_size, rank, loader.generator)
     return torch.utils.data.DataLoader(items, batch_sampler=sampler, num_workers=loader.num_workers,
@@ -101,16 +102,16 @@ def seeded_batches(loader, device: torch.device, n: int, seed: int) -> Iterator[
     workers or processes either): an epoch seeded by (run seed, epoch) is the same whether or not the run was
     interrupted and resumed before it, and a calibration sample is chosen by the run's seed. A pass over the images
     ends before `n` batches: the next pass has a new order and new augmentations."""
+    if not isinstance(loader.dataset, SeededItems):
+        raise TypeError("seeded_batches reads a seeded_rank_loader (a plain loader's augmentations would depend on "
+                        "its workers)")
     if len(loader) == 0:
         raise ValueError("the loader has no batch: fewer images than one batch")
     init_seeds(seed, deterministic=False)  # draws in this process, outside the items
-    generator = getattr(loader, "generator", None)
-    if generator is not None:  # shuffling
-        generator.manual_seed(seed)
+    loader.generator.manual_seed(seed)  # the order of every pass
     made, passes = 0, 0
     while made < n:
-        if isinstance(loader.dataset, SeededItems):
-            loader.dataset.stream = (seed, passes)
+        loader.dataset.stream = (seed, passes)
         for batch in loader:
             masks = batch[4] if len(batch) > 4 else None
             yield Batch(batch[0].to(device, non_blocking=True).float() / 255, batch[1], masks, tuple(batch[2]))
