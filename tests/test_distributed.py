@@ -62,14 +62,14 @@ def test_histograms_combined_across_ranks_equal_one_process(tmp_path):
     assert single.hist.sum() == 5 * 4000
 
 
-def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data):
+def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data, monkeypatch):
     """Two ranks with 2 images each against one process with the global batch of 4, all seeded alike, with
     upstream's augmentation: each rank's loader produces only its own 2 images a step (no rank loads another's), and
     the two shares of every step are exactly the images of the one-process step, in order and pixel for pixel, though
     one process loads in 2 workers and the ranks in none (each item's augmentation is seeded by its index); a new pass
     over the images gets a new order and new augmentations."""
     from models.task import DETECT
-    from utils.batches import load_data, load_hyp, seeded_batches, seeded_rank_loader
+    from utils.batches import SeededItems, load_data, load_hyp, seeded_batches, seeded_rank_loader
     data, hyp = load_data(demo_data), load_hyp(CHECKOUT / "data" / "hyps" / "hyp.scratch-high.yaml")
 
     def loader(batch_size, workers):
@@ -92,6 +92,16 @@ def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data
     assert not all(torch.equal(first[p], im) for p, im in again.items())
     with pytest.raises(TypeError, match="seeded_rank_loader"):  # a plain loader's augmentations follow its workers
         next(seeded_batches(loader(4, 0), torch.device("cpu"), 1, seed=7))
+    # what each rank reads, not only what its batches hold: the items its loader fetches (mosaic partners aside)
+    loaded = {0: [], 1: []}
+    fetch = SeededItems.__getitem__
+    for r in loaded:
+        monkeypatch.setattr(SeededItems, "__getitem__", lambda self, i, _r=r: loaded[_r].append(i) or fetch(self, i))
+        share = list(seeded_batches(seeded_rank_loader(loader(2, 0), 2, r), torch.device("cpu"), steps, seed=7))
+        files = loader(2, 0).dataset.im_files
+        assert [files[i] for i in loaded[r]] == [p for b in share for p in b.paths]  # nothing fetched but its share
+    for k in range(steps):
+        assert not set(loaded[0][2 * k:2 * k + 2]) & set(loaded[1][2 * k:2 * k + 2])
 
 
 def _torchrun(*args, cwd=CHECKOUT, timeout=900):

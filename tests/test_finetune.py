@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,7 +86,7 @@ def test_head_loss_ignores_saturated_background_that_mse_punishes():
 
 
 def test_a_step_has_the_loss_and_gradients_of_the_recipe_and_the_epoch_their_means(ptq_pair):
-    """FineTuner.step (losses kept on the device, no per-step host reads, phase marks) computes what the recipe's
+    """FineTuner.step (losses kept on the device, phase marks) computes what the recipe's
     loss and its backward give directly: the same total and the same gradient of every parameter (the same
     arithmetic in the same order, so equal to float rounding); the epoch's reported means are the steps' means."""
     from models.finetune import StepClock
@@ -215,3 +216,44 @@ def test_schedules():
 def test_recipe_refuses_meaningless_settings(bad):
     with pytest.raises(ValueError):
         QATRecipe(**bad)
+
+
+HOST_READS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__")
+UPSTREAM_LOSS = ("utils/loss_tal.py", "utils/segment/loss_tal.py", "utils/tal/assigner.py")
+
+
+def _host_reads(step, monkeypatch) -> list[str]:
+    """Where `step()` copies tensor values to the host (each a wait on the GPU): the file of every frame that calls
+    one of HOST_READS, relative to the checkout, or 'torch.optim' for the optimizer's own step counters (torch
+    keeps them on the host by design: reading them waits for nothing)."""
+    import traceback
+    reads = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _f=original, **k):
+            caller = Path(traceback.extract_stack(limit=2)[0].filename)
+            reads.append("torch.optim" if "torch/optim" in caller.as_posix() else
+                         caller.relative_to(CHECKOUT).as_posix() if caller.is_relative_to(CHECKOUT) else str(caller))
+            return _f(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    try:
+        step()
+    finally:
+        monkeypatch.undo()
+    return reads
+
+
+def test_a_step_reads_nothing_back_to_the_host_but_upstreams_loss(ptq_pair, monkeypatch):
+    """After the first step (where each quantizer computes its scale once from its amax), a QAT step of the default
+    recipe copies no value to the host in this toolkit's code (quantizers, distillation, the step, the losses kept
+    on the device): the only reads are upstream's detection loss (its target count and foreground checks, a few per
+    step) and torch.optim's host-resident step counters."""
+    model, teacher = copy.deepcopy(ptq_pair[0]).train(), ptq_pair[1]
+    images, targets = _images(2), _targets()
+    with QATObjective(RECIPES["default"], model, teacher, _hyp()) as objective:
+        tuner = FineTuner(objective, epochs=1, iters=2, amp=False)
+        tuner.step(images[0], targets, None)
+        reads = _host_reads(lambda: tuner.step(images[1], targets, None), monkeypatch)
+    ours = [r for r in reads if r != "torch.optim" and r not in UPSTREAM_LOSS]
+    assert ours == [] and any(r in UPSTREAM_LOSS for r in reads)  # the count sees the reads it is meant to see
