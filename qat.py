@@ -24,7 +24,7 @@ from models.evaluate import NMSConfig  # noqa: E402
 from models.finetune import DISTILL_TARGETS, LR_SCHEDULES, RECIPES, QATRecipe  # noqa: E402
 from models.pipeline import CONTROL_PARTS, RunConfig, evaluate_checkpoint, quantize, resume, sensitivity  # noqa: E402
 from models.quantize import CALIB_METHODS, QuantRecipe, skip_patterns  # noqa: E402
-from models.selection import SelectConfig  # noqa: E402
+from utils.datasplit import SelectConfig  # noqa: E402
 from utils.io_utils import OutputDir, cli_main  # noqa: E402
 
 RESUME_KEEPS = ("device", "workers", "trust_checkpoint")  # what a resumed run takes from the new command line

@@ -2,8 +2,9 @@
 evaluation of a checkpoint and per-layer sensitivity. One frozen `RunConfig` says everything a run does; it is
 stored in the run's report.json, so `--resume` continues with exactly the same settings.
 
-Every choice is made on a select split held out from the training images (models/selection.py): the calibration
-method (`auto`: every candidate range from one pass of statistics, each measured), and the delivered model
+Every choice is made on a select split held out from the training images (utils/datasplit.py; the choices:
+models/selection.py): the calibration method (`auto`: every candidate range from one pass of statistics, each
+measured), with `--max-loss` the tensors kept in float (models/mixed_precision.py), and the delivered model
 `weights/best_{stem}.pt`, the best of the PTQ model and every QAT epoch, so a run never ships an INT8 model worse
 on select than the PTQ model it already had. The val images are measured, never chosen on: the float model
 before, the delivered model after.
@@ -39,11 +40,12 @@ from models.finetune import FineTuner, QATObjective, QATRecipe, learnable_amax_p
 from models.mixed_precision import (MixedPrecision, choose_float_set, deployment_summary, float_candidates, keep_float,
                                     measure_candidates)
 from models.quantize import (QuantRecipe, calibrate, collect_statistics, copy_float, is_quantized,
-                             named_quantizers, quantization_disabled, quantize_model, quantizer_counts)
-from models.selection import SelectConfig, SelectSplit, choose, choose_calibration, split_for
+                             named_quantizers, quantize_model, quantizer_counts)
+from models.selection import choose, choose_calibration
 from models.runners import TorchRunner
 from models.task import Task, task_of
 from utils.batches import load_data, load_hyp, seeded_batches, seeded_rank_loader
+from utils.datasplit import SelectConfig, SelectSplit, split_for
 from utils.general import LOGGER, colorstr
 from utils.io_utils import Interrupted, OutputDir, atomic_write, write_json
 from utils.torch_utils import select_device

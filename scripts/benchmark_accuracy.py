@@ -9,7 +9,7 @@ quantizers disabled) vs NVIDIA Model Optimizer's ONNX PTQ, over seeds, with ever
 
 Run from the patched YOLOv9 checkout. The training images are split into `fit` (calibration and fine-tuning) and
 `select` (every choice: calibration method, delivered model, the peer's method) by the rule `qat.py quantize` itself
-applies (utils/datasplit.py, models/selection.py): each run carves it from --data and the benchmark checks that its
+applies (utils/datasplit.py): each run carves it from --data and the benchmark checks that its
 fingerprint is the benchmark's; the val images are only measured. Everything is written under --work and --out;
 `--docs` also renders this repository's README.md and docs/RESULTS.md. Each seed draws its own calibration sample and fine-tuning order. Every step is one of this toolkit's
 commands (qat.py, export_qat.py, val_trt.py) or Model Optimizer's, logged under --work and skipped when its output
@@ -22,22 +22,23 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import re
 import shlex
 import shutil
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path.cwd()))
 
-from utils.datasplit import image_files, write_split  # noqa: E402
+from utils.benchmark_steps import (Bench, calibration_array, export, images_per_second, lint_summary,  # noqa: E402
+                                   measure, mixed_summary, public, quantize_run, recipe_tag, run_step, sample_id,
+                                   yaml_split)
+from utils.benchmark_tables import model_table, render, summarize  # noqa: E402
+from utils.datasplit import write_split  # noqa: E402
 from utils.io_utils import atomic_write, write_json  # noqa: E402
 from utils.provenance import command_line, machine, overlay_repo, sha256, toolkit_commit  # noqa: E402
-from utils.results import difference, fmt, fmt_difference, render_files, spread  # noqa: E402
+from utils.results import difference, spread  # noqa: E402
 
 CALIBRATIONS = {"max": ["--calib-method", "max"], "mse": ["--calib-method", "mse"],
                 "percentile-99.99": ["--calib-method", "percentile", "--percentile", "99.99"],
@@ -66,131 +67,6 @@ ABLATION = {
 MODELOPT_METHODS = ("max", "entropy")  # Model Optimizer's INT8 calibration methods
 DFL_NODES = ".*dfl.*"  # the box decoder's fixed-weight conv: float in our graphs, so excluded from the peer's too
 REPO = overlay_repo()
-
-
-@dataclass(frozen=True)
-class Bench:
-    dataset: str
-    data: str
-    imgsz: int
-    device: str
-    batch_size: int
-    workers: int
-    seeds: tuple[int, ...]
-    methods: tuple[str, ...]
-    qat_epochs: int
-    iters: int
-    calib_batches: int
-    qat_args: tuple[str, ...]
-    modelopt: bool
-    skip: tuple[str, ...]
-    jobs: int
-    ort_seeds: int
-    work: Path
-    out: Path
-    max_loss: float | None = None
-
-    def device_for(self, seed: int) -> str:
-        """--device 0,1: each seed's runs on one of the GPUs in turn (a run is one process on one device)."""
-        devices = self.device.split(",")
-        return devices[self.seeds.index(seed) % len(devices)] if seed in self.seeds else devices[0]
-
-    @property
-    def step_env(self) -> dict[str, str]:
-        """Each step's environment: with several jobs at a time, each gets its share of the CPUs for its math
-        threads (more OpenMP threads than cores spin against each other: two jobs of two threads on two cores ran
-        auto's range computations 20x slower). A thread count the caller set is kept."""
-        env = dict(os.environ)
-        if self.jobs > 1:
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.jobs)))
-        return env
-
-    def common(self, weights: Path, data: Path, seed: int) -> list[str]:
-        return ["--weights", str(weights), "--data", str(data), "--imgsz", str(self.imgsz), "--device",
-                self.device_for(seed),
-                "--batch-size", str(self.batch_size), "--calib-batches", str(self.calib_batches), "--workers",
-                str(self.workers)]
-
-
-# --------------------------------------------------------------------------------------------------
-# Steps (each skipped when its output exists)
-# --------------------------------------------------------------------------------------------------
-def run_step(cmd: list[str], log: Path, env: dict[str, str]) -> None:
-    print("+ " + shlex.join(cmd), flush=True)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    if r.returncode:
-        raise RuntimeError(f"{shlex.join(cmd)} failed (exit {r.returncode}); log {log}:\n{log.read_text()[-1500:]}")
-
-
-def quantize_run(args: list[str], save_dir: Path, env: dict[str, str]) -> dict:
-    """A `qat.py quantize` run (resumed where it stopped); its report. A folder made with other arguments is an
-    error, not a result: its numbers would be reported as this run's."""
-    report, recorded = save_dir / "report.json", save_dir / "benchmark_args.json"
-    what = _result_args(args)
-    if recorded.is_file() and json.loads(recorded.read_text()) != what:
-        raise RuntimeError(f"{save_dir} holds a run made with other arguments ({recorded}); use another --work")
-    if not report.is_file():
-        save_dir.mkdir(parents=True, exist_ok=True)
-        write_json(recorded, what)
-    if not (report.is_file() and json.loads(report.read_text()).get("finished")):
-        resume = ["--resume", str(save_dir)] if report.is_file() else \
-            [*args, "--project", str(save_dir.parent), "--name", save_dir.name, "--exist-ok"]
-        run_step([sys.executable, "qat.py", "quantize", *resume], save_dir.with_name(save_dir.name + ".log"), env)
-    return json.loads(report.read_text())
-
-
-def _result_args(args: list[str]) -> list[str]:
-    """The arguments that decide a run's numbers: where it runs (--device, --workers) may change when it resumes."""
-    out, i = [], 0
-    while i < len(args):
-        if args[i] in ("--device", "--workers"):
-            i += 2
-            continue
-        out.append(args[i])
-        i += 1
-    return out
-
-
-def recipe_tag(qat_args: tuple[str, ...]) -> str:
-    """'' for the default recipe, else e.g. '-recipe-reference': QAT with --qat-args gets folders of its own."""
-    return "".join(f"-{re.sub(r'[^A-Za-z0-9.-]+', '_', a.lstrip('-'))}" for a in qat_args)
-
-
-def measure(model: Path, data: Path, out: Path, bench: Bench) -> dict:
-    """mAP of a .pt (PyTorch) or .onnx (ONNX Runtime) through val_trt.py: one loop, one letterbox for all."""
-    result = out / "val_trt.json"
-    if not result.is_file():
-        source = ["--onnx-file", str(model)] if model.suffix == ".onnx" else ["--weights", str(model), "--device",
-                                                                             bench.device_for(-1)]
-        run_step([sys.executable, "val_trt.py", *source, "--data", str(data), "--imgsz", str(bench.imgsz),
-                  "--batch-size", "8", "--workers", str(bench.workers), "--project", str(out.parent), "--name",
-                  out.name, "--exist-ok"], out.with_suffix(".log"), bench.step_env)
-    m = json.loads(result.read_text())
-    return {k: m[k] for k in ("ap", "ap50", "precision", "recall")}
-
-
-def export(weights: Path, dtype: str, bench: Bench) -> Path:
-    """The deployable graph of a checkpoint: FP32 (PyTorch's arithmetic, Model Optimizer's input) or FP16 (what
-    TensorRT 11 builds), written beside a copy named after it."""
-    onnx_file = weights.with_name(f"{weights.stem}-{dtype}.onnx")
-    if not onnx_file.is_file():
-        copy = weights.with_name(onnx_file.stem + ".pt")
-        shutil.copyfile(weights, copy)
-        run_step([sys.executable, "export_qat.py", "--weights", str(copy), "--include", "onnx", "--dynamic",
-                  "--imgsz", str(bench.imgsz), "--dtype", dtype, "--exist-ok"], copy.with_suffix(".export.log"),
-                 bench.step_env)
-        copy.unlink()
-    return onnx_file
-
-
-def lint_summary(onnx_file: Path) -> dict:
-    """Counted by one rule for every graph (ours and the peer's): utils/qdq_lint.py."""
-    from utils.qdq_lint import lint_file
-    report = lint_file(onnx_file)
-    return {"qdq_nodes": report.quantize_nodes, "quantized_convs": report.quantized_convs, "convs": report.convs,
-            "unshared_joins": len(report.unshared_joins), "unquantized_convs": len(report.unquantized_convs)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,7 +149,7 @@ class ModelBench:
                     "best_epoch": best["epoch"], "select_by_epoch": [e["ap"] for e in epochs], "val_best": val_best,
                     "val_last": val_last, "final": {"stage": final["stage"], "epoch": final["epoch"]},
                     "val_final": ptq_val if final["stage"] == "ptq" else val_best, "final_file": final["file"],
-                    **({"mixed_precision": _mixed_summary(r["mixed_precision"])} if "mixed_precision" in r else {})}
+                    **({"mixed_precision": mixed_summary(r["mixed_precision"])} if "mixed_precision" in r else {})}
         with self.pool() as pool:
             return dict(zip(map(str, b.seeds), pool.map(one, b.seeds)))
 
@@ -385,7 +261,7 @@ class ModelBench:
             self.ablation(ablation)
         entry = {"model": self.name, "dataset": self.bench.dataset, "imgsz": self.bench.imgsz,
                  "provenance": self.provenance(), "settings": self.settings(), "fp": fp,
-                 "ptq": {m: {s: _public(r) for s, r in runs.items()} for m, runs in ptq.items()},
+                 "ptq": {m: {s: public(r) for s, r in runs.items()} for m, runs in ptq.items()},
                  "ptq_choice": choice, "not_run": list(skip)}
         ours = Path(ptq[choice][str(self.bench.seeds[0])]["file"])  # the deployed graph of our best stage
         with ThreadPoolExecutor(3) as phases:
@@ -394,14 +270,14 @@ class ModelBench:
             control = phases.submit(self.control) if "fp_ft" not in skip else None
             deployed = phases.submit(self.deployed, qat) if qat and "ort" not in skip else None
             if qat:
-                entry["qat"] = {s: _public(r) for s, r in qat.items()}
+                entry["qat"] = {s: public(r) for s, r in qat.items()}
                 ours = Path(qat[str(self.bench.seeds[0])]["final_file"])
             if deployed:
                 entry["ort"] = deployed.result()
             if control:
                 entry["fp_ft"] = control.result()
             if mixed:
-                entry["mixed"] = {s: _public(r) for s, r in mixed.result().items()}
+                entry["mixed"] = {s: public(r) for s, r in mixed.result().items()}
         if self.bench.modelopt:
             peer = self.modelopt(ptq[choice])
             entry["modelopt"] = peer
@@ -428,401 +304,6 @@ class ModelBench:
     def settings(self) -> dict:
         return {k: v for k, v in asdict(self.bench).items() if k not in ("work", "out", "data", "jobs", "device",
                                                                         "skip", "ort_seeds", "max_loss")}
-
-
-def images_per_second(epochs: list[dict], batch_size: int, iters: int) -> float | None:
-    """Training images per second of a run's QAT epochs (their `train_s`, the steps alone), as it ran: beside the
-    benchmark's other jobs on the same GPU and CPUs, so a floor for one run alone. None where the epochs' length
-    is not a count of iterations (--iters 0: one pass over the images) or no time was recorded."""
-    seconds = sum(e.get("train_s", 0) for e in epochs)
-    return round(len(epochs) * iters * batch_size / seconds, 1) if seconds and iters else None
-
-
-def _mixed_summary(record: dict) -> dict:
-    """What the entry keeps of a run's mixed-precision record: the budget, what was kept in float and why, what it
-    costs the engine, the select mAP all-INT8 and mixed, and the time the choice took."""
-    keep = ("max_loss", "reached", "kept_float", "float_convs", "int8_mac_share", "boundaries", "lint_problems",
-            "origin_select", "all_int8_select", "mixed_select", "candidates", "seconds")
-    return {k: record[k] for k in keep if k in record} | {"measured": len(record.get("measured", {})),
-                                                          "tried": len(record.get("tried", []))}
-
-
-def _public(run: dict) -> dict:
-    """A run's numbers without machine-local paths and file lists (the sample is identified by its digest)."""
-    return {k: v for k, v in run.items() if k not in ("final_file", "calibration_images", "file")}
-
-
-def yaml_split(split_yaml: Path) -> dict:
-    import yaml
-    return yaml.safe_load(split_yaml.read_text())["split"]
-
-
-def sample_id(names: list[str]) -> str:
-    """Which images a calibration used, as a digest of their names in the order drawn."""
-    import hashlib
-    return hashlib.md5("\n".join(names).encode()).hexdigest()
-
-
-def calibration_array(split_yaml: Path, names: list[str], imgsz: int, path: Path) -> Path:
-    """The named fit images, square-letterboxed as the pipeline's calibration loader gives them, float32 0-1
-    NCHW (Model Optimizer's --calibration_data_path)."""
-    if path.is_file():
-        return path
-    import numpy as np
-    import yaml
-    from utils.dataloaders import LoadImages
-    fit = {f.name: f for f in image_files(yaml.safe_load(split_yaml.read_text())["train"])}
-    missing = [n for n in names if n not in fit]
-    if missing:
-        raise ValueError(f"calibration images not in the fit split: {missing[:3]}")
-    images = [im.astype(np.float32) / 255 for _, im, *_ in
-              (next(iter(LoadImages(str(fit[n]), img_size=imgsz, stride=32, auto=False))) for n in names)]
-    atomic_write(path, lambda tmp: np.save(open(tmp, "wb"), np.stack(images)))
-    return path
-
-
-# --------------------------------------------------------------------------------------------------
-# Summary: mean +- std over seeds, and what is within noise
-# --------------------------------------------------------------------------------------------------
-def summarize(e: dict) -> dict:
-    """Mean +- std over seeds of every stage that ran, on val, and the differences the claims rest on."""
-    over = lambda runs, key: spread([r[key]["ap"] for r in runs.values()])  # noqa: E731
-    s = {"fp": spread([e["fp"]["val"]["ap"]], fixed=True),
-         "ptq": {m: over(runs, "val") for m, runs in e["ptq"].items()},
-         "ptq_select": {m: over(runs, "select") for m, runs in e["ptq"].items()}}
-    best_ptq = s["ptq"][e["ptq_choice"]]
-    s["best_ptq_vs_fp"] = difference(best_ptq, s["fp"])
-    s["best_fixed_on_val"] = max(s["ptq"], key=lambda m: s["ptq"][m]["mean"])  # the hardest bar, known only after
-    best_fixed = s["ptq"][s["best_fixed_on_val"]]
-    if "qat" in e:
-        s["auto"] = spread([r["auto"]["val"]["ap"] for r in e["qat"].values()])
-        s["auto_vs_best_fixed"] = difference(s["auto"], best_fixed)
-        s["qat_best"], s["qat_last"] = over(e["qat"], "val_best"), over(e["qat"], "val_last")
-        s["final"] = over(e["qat"], "val_final")
-        s["user_gain"] = difference(s["final"], s["fp"])                      # delivered - the float model
-        s["final_vs_best_fixed"] = difference(s["final"], best_fixed)
-        s["qat_vs_best_ptq"] = difference(s["qat_best"], best_ptq)
-    if "fp_ft" in e:
-        s["fp_ft_best"], s["fp_ft_last"] = over(e["fp_ft"], "val_best"), over(e["fp_ft"], "val_last")
-    if "mixed" in e:
-        s["mixed"] = over(e["mixed"], "val_final")
-        s["mixed_vs_fp"] = difference(s["mixed"], s["fp"])
-        s["mixed_int8_share"] = spread([r["mixed_precision"]["int8_mac_share"] for r in e["mixed"].values()])
-        if "fp_ft" in e:
-            s["mixed_vs_fp_ft"] = difference(s["mixed"], s["fp_ft_best"])
-    if "qat" in e and "fp_ft" in e:
-        s["quantization_cost"] = difference(s["final"], s["fp_ft_best"])      # delivered - its float control
-    if "ort" in e:  # against the same seeds' delivered checkpoint in PyTorch: that is the file exported
-        s["ort"] = {d: over(runs, "val") for d, runs in e["ort"].items()}
-        s["ort_vs_pytorch"] = {d: difference(v, spread([e["qat"][seed]["val_final"]["ap"] for seed in e["ort"][d]]))
-                               for d, v in s["ort"].items()}
-    if "modelopt" in e:
-        s["modelopt"] = {m: over(runs, "val") for m, runs in e["modelopt"].items()}
-        peer = s["modelopt"][e["modelopt_choice"]]
-        s["ptq_vs_modelopt"] = difference(best_ptq, peer)
-        if "qat" in e:
-            s["qat_vs_modelopt"] = difference(s["qat_best"], peer)
-    return s
-
-
-# --------------------------------------------------------------------------------------------------
-# Rendering
-# --------------------------------------------------------------------------------------------------
-def entries(out: Path) -> list[dict]:
-    return [json.loads(f.read_text()) for f in sorted(out.glob("*/*/entry.json"))]
-
-
-def model_table(e: dict) -> str:
-    """One model: every stage's mAP50-95 on val (mean +- std over seeds) and on select where choices were made."""
-    s, seeds = e["summary"], len(e["provenance"]["seeds"])
-    not_run = "not run (" + ", ".join(e.get("not_run", [])) + " skipped)"
-    rows = [("FP32 (the trained model)", s["fp"], fmt(spread([e["fp"]["select"]["ap"]])))]
-    for m in s["ptq"]:
-        chosen = " (chosen on select)" if m == e["ptq_choice"] else ""
-        rows.append((f"PTQ {m}{chosen}", s["ptq"][m], fmt(s["ptq_select"][m])))
-    if "auto" in s:
-        chosen = ", ".join(r["auto"]["chosen"] for r in e["qat"].values())
-        rows.append((f"PTQ auto, the default (chose {chosen})", s["auto"],
-                     fmt(spread([r["auto"]["candidates"][r["auto"]["chosen"]] for r in e["qat"].values()]))))
-    for key, name in (("fp_ft_best", "FP fine-tune control, best epoch on select"),
-                      ("fp_ft_last", "FP fine-tune control, last epoch"), ("qat_best", "QAT, best epoch on select"),
-                      ("qat_last", "QAT, last epoch")):
-        rows.append((name, s.get(key), "" if key in s else not_run))
-    if "final" in s:
-        stages = ", ".join(r["final"]["stage"] + (f" {r['final']['epoch']}" if r["final"]["epoch"] else "")
-                           for r in e["qat"].values())
-        rows.append((f"**Delivered by the default command** (best on select of PTQ and QAT epochs: {stages})",
-                     s["final"], ""))
-    if "mixed" in s:
-        runs = e["mixed"].values()
-        budget = next(iter(runs))["mixed_precision"]["max_loss"]
-        kept = ", ".join(str(len(r["mixed_precision"]["float_convs"])) for r in runs)
-        rows.append((f"Delivered with --max-loss {budget:g} (convs kept in float per seed: {kept}; INT8 share of "
-                     f"conv MACs {fmt(s['mixed_int8_share'])})", s["mixed"], ""))
-    for dtype, name in (("fp32", "QAT, FP32 Q/DQ graph in ONNX Runtime"),
-                        ("fp16", "QAT, FP16 Q/DQ graph in ONNX Runtime (TensorRT 11's)")):
-        rows.append((name, s.get("ort", {}).get(dtype), "" if "ort" in s else not_run))
-    for m, v in s.get("modelopt", {}).items():
-        chosen = " (chosen on select)" if m == e.get("modelopt_choice") else ""
-        rows.append((f"Model Optimizer ONNX PTQ {m}{chosen}", v,
-                     fmt(spread([r["select"]["ap"] for r in e["modelopt"][m].values()]))))
-    machine_ = e["provenance"]["machine"]
-    lines = [f"**{e['model']}** on {e['dataset']} ({e['provenance']['split']['images']['val']} val images, "
-             f"imgsz {e['imgsz']}; {seeds} seeds; {machine_['gpu'] or 'CPU: ' + machine_['cpu']}; commit "
-             f"{_commit(e['provenance']['commit'])})", "",
-             "| Stage | mAP50-95 val, mean ± std (seeds) | mAP50-95 select |", "|---|---|---|"]
-    lines += [f"| {name} | {fmt(v)} | {sel} |" for name, v, sel in rows]
-    claims = [("Quantization cost (delivered - its FP control)", s.get("quantization_cost")),
-              ("Mixed precision - its FP control", s.get("mixed_vs_fp_ft")), ("Mixed precision - FP32", s.get("mixed_vs_fp")),
-              ("Delivered - FP32", s.get("user_gain")),
-              (f"Delivered - best fixed PTQ on val ({s['best_fixed_on_val']})", s.get("final_vs_best_fixed")),
-              (f"PTQ auto - best fixed PTQ on val ({s['best_fixed_on_val']})", s.get("auto_vs_best_fixed")),
-              ("QAT best epoch - PTQ chosen on select", s.get("qat_vs_best_ptq")),
-              ("PTQ chosen on select - FP32", s.get("best_ptq_vs_fp"))]
-    lines += [""] + [f"- {name}: {fmt_difference(d)}" for name, d in claims if d]
-    if "ort_vs_pytorch" in s:
-        lines.append("- Deployed graphs - PyTorch: " + ", ".join(f"{d} {fmt_difference(v)}"
-                                                                  for d, v in s["ort_vs_pytorch"].items()))
-    if "modelopt" in s:
-        ours = "QAT" if "qat_vs_modelopt" in s else "Best PTQ"
-        lint = e["modelopt"][e["modelopt_choice"]][str(e["provenance"]["seeds"][0])]["lint"]
-        lines.append(f"- {ours} - Model Optimizer ({e['modelopt_choice']}): "
-                     f"{fmt_difference(s.get('qat_vs_modelopt') or s['ptq_vs_modelopt'])}; unshared-scale joins: "
-                     f"ours {e['ours_lint']['unshared_joins']}, Model Optimizer {lint['unshared_joins']}")
-    return "\n".join(lines)
-
-
-def _commit(commit: str) -> str:
-    """A short commit, marked where the run's working tree held changes beyond it."""
-    return commit[:10] + (" with uncommitted changes" if commit.endswith("-dirty") else "")
-
-
-def training_table(out: Path) -> str:
-    """The float models' trainings (scripts/train_float.py): how long, the best select epoch, convergence."""
-    rows = []
-    for f in sorted(out.glob("*/*/float/train.json")):
-        t = json.loads(f.read_text())
-        start, end = t["started"], t.get("last_epochs")
-        since = f"{t['epochs_since_best']} epoch{'' if t['epochs_since_best'] == 1 else 's'} since the best"
-        plateau = "" if not end or end["noise"] is None else \
-            f"; last {end['window']}: rise {end['rise']:+.4f}, noise {end['noise']:.4f}"
-        gpus = re.search(r"--nproc-per-node (\d+)", start["command"])
-        seconds = f"{t['train_seconds'] / 60:.1f} min" if t.get("train_seconds") else "not recorded"
-        rows.append(f"| {f.parts[-4]} | {t['model']} | {t['epochs_run']} of {t['max_epochs']} | {t['best_epoch']} | "
-                    f"{t['best_select_map']:.4f} | {'yes' if t['converged'] else 'no'} ({since}{plateau}) | "
-                    f"{seconds} | {gpus[1] if gpus else 1} x {start['machine']['gpu']} | "
-                    f"[curve](../{f.parent.relative_to(out.parent)}/curve.png) |")
-    if not rows:
-        return "No float training recorded yet."
-    return "\n".join(["| Data | Model | Epochs run | Best epoch | Best select mAP50-95 | Converged | Time | GPUs | "
-                      "Curve |", "|---|---|---|---|---|---|---|---|---|", *rows])
-
-
-def costs_table(out: Path) -> str:
-    """QAT step vs its float control's step (scripts/benchmark_costs.py)."""
-    rows = []
-    for f in sorted((out / "costs").glob("*.json")):
-        c = json.loads(f.read_text())
-        rows.append(f"| {c['model']} | {c['batch_size']} x {c['imgsz']} | {c['machine']['gpu'] or 'CPU'} | "
-                    f"{c['control_step_s']['median']:.4f} | {c['qat_step_s']['median']:.4f} | "
-                    f"{c['ratio']:.2f}x | {c['steps']} each, interleaved |")
-    if not rows:
-        return "No cost measurement recorded yet."
-    return "\n".join(["| Model | Batch x size | GPU | FP control step (s, median) | QAT step (s, median) | QAT / FP | "
-                      "Steps |", "|---|---|---|---|---|---|---|", *rows])
-
-
-def demo_table(out: Path) -> str:
-    """The demo's last recorded run (scripts/demo.sh with RECORD=1)."""
-    f = out / "demo" / "demo.json"
-    if not f.is_file():
-        return "No demo run recorded yet."
-    d = json.loads(f.read_text())
-    return (f"{d['table']}\n\n({d['where']}, {d['date']}, commit {d['commit'][:10]}: {d['minutes']:.1f} min in all; "
-            f"{d['data']}. A single run: the calibration method and the delivered stage were chosen on "
-            f"{d['report']['select']['images']} held-out training images (the select rows), the other rows are "
-            f"measured on the val images; it shows the workflow runs, not an accuracy claim (the table below is "
-            f"that); on another CPU a few INT8 roundings flip and these figures move a little.)")
-
-
-def ablation_table(out: Path) -> str:
-    """Recipe variants on the select split (scripts/benchmark_accuracy.py --ablation): each dataset's latest
-    (ablation.json) first, then earlier ones kept under another name (ablation-COMMIT.json)."""
-    parts = []
-    for f in sorted(out.glob("*/*/ablation*.json"), key=lambda f: (f.parent, f.name != "ablation.json", f.name)):
-        a = json.loads(f.read_text())
-        select = a["provenance"]["split"]["images"]["select"]
-        lines = [f"**{a['model']}** on {a['dataset']}, select split ({select} images), from PTQ {a['calibration']} "
-                 f"({len(a['provenance']['seeds'])} seeds, commit {_commit(a['provenance']['commit'])})", "",
-                 "| Variant | What | Best-epoch mAP50-95 on select | vs default | Last epoch | vs default | "
-                 "Delivered (best of PTQ and epochs) | vs default |",
-                 "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {v} | {r['what']} | {fmt(r['select_best'])} | {fmt_difference(r['vs_default'])} | "
-                  + " | ".join(f"{fmt(r[column])} | {fmt_difference(r[vs])}" if column in r else "not recorded | "
-                               for column, vs in (("select_last", "last_vs_default"),
-                                                  ("select_delivered", "delivered_vs_default"))) + " |"
-                  for v, r in a["variants"].items()]
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts) if parts else "No ablation recorded yet."
-
-
-PARTS = {"": "weights and activations (QAT, the default command)", "weights": "activations only (weights float)",
-         "activations": "weights only (activations float)", "all": "nothing (the float control)"}
-
-
-def _run_settings(run: dict) -> dict:
-    """What must match for a kept run to sit beside an entry's runs: select images, size, batch, schedule."""
-    if "config" in run:  # a qat.py report.json
-        c = run["config"]
-        return {"select": run["select"]["fingerprint"], "imgsz": c["imgsz"], "batch_size": c["batch_size"],
-                "epochs": c["epochs"], "iters": c["iters"], "calib_batches": c["quant"]["calib_batches"]}
-    s = run["settings"]
-    return {"select": run["provenance"]["split"]["fingerprint"]["select"], "imgsz": s["imgsz"],
-            "batch_size": s["batch_size"], "epochs": s["qat_epochs"], "iters": s["iters"],
-            "calib_batches": s["calib_batches"]}
-
-
-def _delivered_on_select(run: dict) -> float:
-    """An entry's default run: the delivered model's select mAP, the best of its PTQ (auto) and every QAT epoch."""
-    return max(run["auto"]["candidates"][run["auto"]["chosen"]], *run["select_by_epoch"])
-
-
-def _entry_beside(folder: Path) -> dict:
-    """The entry an experiment's runs are set beside: `folder/entry.json` where the experiment names one (the entry
-    made on the machine its runs ran on: hosts of one kind differ by more than these differences), else the
-    model's current entry."""
-    own = folder / "entry.json"
-    return json.loads((own if own.is_file() else folder.parent / "entry.json").read_text())
-
-
-def _comparable_reports(folder: Path, entry: dict, ignore: tuple[str, ...] = ()) -> list[dict]:
-    """The qat.py report.json files kept in `folder`, each a finished run with the entry's settings (`ignore`
-    aside); anything else is refused: its numbers would not be comparable."""
-    want = {k: v for k, v in _run_settings(entry).items() if k not in ignore}
-    reports = []
-    for f in sorted(p for p in folder.glob("*.json") if p.name != "entry.json"):
-        r = json.loads(f.read_text())
-        got = {k: v for k, v in _run_settings(r).items() if k not in ignore}
-        if got != want or not r.get("finished"):
-            raise ValueError(f"{f}: an unfinished run or one made with other settings than the entry's ({got} vs "
-                             f"{want}): its numbers are not comparable")
-        reports.append(r)
-    return reports
-
-
-def partial_control_table(out: Path) -> str:
-    """Which quantizers keep QAT from following its float control: `qat.py quantize --float-control PART` runs
-    (OUT/<dataset>/<model>/partial-control/*.json, their report.json files) beside the entry's QAT and float
-    control of the same seeds, select split and settings, each judged on select (best and last epoch)."""
-    parts = []
-    for folder in sorted(out.glob("*/*/partial-control")):
-        e = _entry_beside(folder)
-        reports = _comparable_reports(folder, e)
-        runs = {"": {str(k): r["select_by_epoch"] for k, r in e["qat"].items()},
-                "all": {str(k): r["select_by_epoch"] for k, r in e["fp_ft"].items()}}
-        val = {"": [r["val_best"]["ap"] for r in e["qat"].values()],
-               "all": [r["val_best"]["ap"] for r in e["fp_ft"].values()]}
-        for r in reports:
-            runs.setdefault(r["config"]["control"], {})[str(r["config"]["seed"])] = [q["ap"] for q in r["qat"]]
-            val.setdefault(r["config"]["control"], []).append(r["val"]["final"]["ap"])
-        best = {part: spread([max(v) for v in r.values()]) for part, r in runs.items()}
-        last = {part: spread([v[-1] for v in r.values()]) for part, r in runs.items()}
-        lines = [f"**{e['model']}** on {e['dataset']}, select split ({e['provenance']['split']['images']['select']} "
-                 f"images), {e['settings']['qat_epochs']} x {e['settings']['iters']} iterations, seeds "
-                 f"{', '.join(sorted(runs['']))}", "",
-                 "| INT8 during the fine-tune | Best epoch on select | vs QAT | Last epoch | vs QAT | "
-                 "Best epoch on val |", "|---|---|---|---|---|---|"]
-        lines += [f"| {PARTS[p]} | {fmt(best[p])} | {fmt_difference(difference(best[p], best['']))} | {fmt(last[p])} | "
-                  f"{fmt_difference(difference(last[p], last['']))} | {fmt(spread(val[p]))} |"
-                  for p in sorted(runs, key=list(PARTS).index)]
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts) if parts else "No partial control recorded yet."
-
-
-def float_first_table(out: Path) -> str:
-    """Whether a float fine-tune's gain survives INT8: `qat.py quantize --float-epochs F` runs
-    (OUT/<dataset>/<model>/float-first/*.json, their report.json files): the float model after F epochs (the float
-    control's first F), PTQ of it (auto), the QAT epochs after it and the delivered model, beside the entry's default
-    runs (F = 0: PTQ of the float model as trained) of the same select split and settings."""
-    parts = []
-    for folder in sorted(out.glob("*/*/float-first")):
-        e = _entry_beside(folder)
-        rows: dict[int, dict[str, list[float]]] = {0: {
-            "float": [e["fp"]["select"]["ap"]] * len(e["qat"]),
-            "ptq": [r["auto"]["candidates"][r["auto"]["chosen"]] for r in e["qat"].values()],
-            "qat": [max(r["select_by_epoch"]) for r in e["qat"].values()],
-            "delivered": [_delivered_on_select(r)
-                          for r in e["qat"].values()],
-            "val": [r["val_final"]["ap"] for r in e["qat"].values()]}}
-        for r in _comparable_reports(folder, e):
-            k, epochs = r["config"]["float_epochs"], r["qat"]
-            row = rows.setdefault(k, {})
-            for column, value in (("float", epochs[k - 1]["ap"]), ("ptq", r["recalibrated"]["metrics"]["ap"]),
-                                  ("qat", max(x["ap"] for x in epochs if x["stage"] == "qat")),
-                                  ("delivered", r["final"]["ap"]), ("val", r["val"]["final"]["ap"])):
-                row.setdefault(column, []).append(value)
-        lines = [f"**{e['model']}** on {e['dataset']}, select split ({e['provenance']['split']['images']['select']} "
-                 f"images), {e['settings']['qat_epochs']} x {e['settings']['iters']} iterations, 3 seeds", "",
-                 "| Float epochs before PTQ | Float model, select | PTQ (auto), select | PTQ - float | "
-                 "QAT after it, best epoch | Delivered, select | Delivered, val |", "|---|---|---|---|---|---|---|"]
-        for k, row in sorted(rows.items()):
-            c = {column: spread(values) for column, values in row.items()}
-            lines.append(f"| {k}{' (the default command)' if not k else ''} | {fmt(c['float'])} | {fmt(c['ptq'])} | "
-                         f"{fmt_difference(difference(c['ptq'], c['float']))} | {fmt(c['qat'])} | "
-                         f"{fmt(c['delivered'])} | {fmt(c['val'])} |")
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts) if parts else "No float-first run recorded yet."
-
-
-def longer_table(out: Path) -> str:
-    """QAT and its float control over more epochs: `qat.py quantize --epochs N` runs, with and without
-    `--float-control` (OUT/<dataset>/<model>/longer/*.json, their report.json files), beside the entry's runs of the
-    same select split and settings but its number of epochs; delivered models (best on select) on select and val."""
-    parts = []
-    for folder in sorted(out.glob("*/*/longer")):
-        e = _entry_beside(folder)
-        runs: dict[int, dict[str, dict[str, list[float]]]] = {e["settings"]["qat_epochs"]: {
-            "qat": {"select": [_delivered_on_select(r)
-                               for r in e["qat"].values()],
-                    "val": [r["val_final"]["ap"] for r in e["qat"].values()]},
-            "control": {"select": [max(r["select_by_epoch"]) for r in e["fp_ft"].values()],
-                        "val": [r["val_best"]["ap"] for r in e["fp_ft"].values()]}}}
-        for r in _comparable_reports(folder, e, ignore=("epochs",)):
-            arm_name = "control" if r["config"]["control"] else "qat"
-            arm = runs.setdefault(r["config"]["epochs"], {}).setdefault(arm_name, {})
-            arm.setdefault("select", []).append(r["final"]["ap"])
-            arm.setdefault("val", []).append(r["val"]["final"]["ap"])
-        fp = {"mean": e["fp"]["val"]["ap"], "std": 0.0, "n": 1, "values": [e["fp"]["val"]["ap"]], "fixed": True}
-        lines = [f"**{e['model']}** on {e['dataset']}, select split ({e['provenance']['split']['images']['select']} "
-                 f"images), {e['settings']['iters']} iterations per epoch, delivered models (best on select)", "",
-                 "| Epochs | QAT, select | Float control, select | QAT - control, select | QAT, val | "
-                 "Float control, val | QAT - control, val | QAT - float model, val |",
-                 "|---|---|---|---|---|---|---|---|"]
-        for epochs, arms in sorted(runs.items()):
-            q, c = ({k: spread(v) for k, v in arms[a].items()} for a in ("qat", "control"))
-            cells = [f"{epochs}{' (the entry)' if epochs == e['settings']['qat_epochs'] else ''}", fmt(q["select"]),
-                     fmt(c["select"]), fmt_difference(difference(q["select"], c["select"])), fmt(q["val"]),
-                     fmt(c["val"]), fmt_difference(difference(q["val"], c["val"])),
-                     fmt_difference(difference(q["val"], fp))]
-            lines.append("| " + " | ".join(cells) + " |")
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts) if parts else "No longer run recorded yet."
-
-
-def rendered(out: Path, docs: bool) -> dict[Path, dict[str, str]]:
-    """Every rendered block, by file: OUT/accuracy.md, and with `docs` this repository's docs/RESULTS.md and
-    README.md (nothing outside --out otherwise)."""
-    tables = [model_table(e) for e in entries(out)]
-    accuracy = "\n\n".join(tables) if tables else "No benchmark entry yet."
-    files = {out / "accuracy.md": {"accuracy": accuracy}}
-    if docs:
-        files[REPO / "docs" / "RESULTS.md"] = {"accuracy": accuracy, "float-training": training_table(out),
-                                               "ablation": ablation_table(out), "costs": costs_table(out),
-                                               "partial-control": partial_control_table(out),
-                                               "float-first": float_first_table(out),
-                                               "longer": longer_table(out)}
-        files[REPO / "README.md"] = {"accuracy": accuracy, "demo": demo_table(out)}
-    return files
 
 
 # --------------------------------------------------------------------------------------------------
@@ -882,22 +363,6 @@ def _pairs(parser, items):
         if not name or not value:
             parser.error(f"--models {item}: expected NAME=weights.pt")
         yield name, value
-
-
-def render(out: Path, check: bool, docs: bool) -> int:
-    try:
-        files = rendered(out, docs)
-        diffs = render_files(files, check)
-    except ValueError as e:  # a file whose markers were removed, results that do not fit: name it, write nothing
-        print(f"benchmark_accuracy: error: {e}", file=sys.stderr)
-        return 1
-    if check and diffs:
-        print("\n".join(diffs))
-        print("benchmark_accuracy: the files above are not what the results JSON renders to; run "
-              "`python scripts/benchmark_accuracy.py --render`", file=sys.stderr)
-        return 1
-    print(f"benchmark_accuracy: {'checked' if check else 'rendered'} {len(files)} files")
-    return 0
 
 
 def main(argv=None) -> int:

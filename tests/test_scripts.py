@@ -217,8 +217,7 @@ def s_ort_delta(entry: dict) -> float:
 def test_benchmark_folders_are_named_by_what_decides_their_numbers():
     """A resumed step may run on another machine (--device, --workers), never with another recipe: QAT with
     --qat-args gets folders of its own, and its recorded arguments leave out only where it ran."""
-    call_cli("scripts/benchmark_accuracy.py", "--render", "--check")  # loads the script as a module
-    bench = sys.modules["cli_benchmark_accuracy"]
+    from utils import benchmark_steps as bench
     assert bench.recipe_tag(()) == ""
     assert bench.recipe_tag(("--recipe", "reference", "--lr", "3e-5")) == "-recipe-reference-lr-3e-5"
     args = ["--weights", "w.pt", "--device", "0", "--workers", "8", "--seed", "1", "--lr", "3e-5"]
@@ -226,24 +225,25 @@ def test_benchmark_folders_are_named_by_what_decides_their_numbers():
 
 
 def _published_runs(tmp_path, folder: str):
-    """The benchmark script as a module, and a copy of helmet gelan-s's entry with its published `folder` of runs
-    under tmp_path (the tables read an --out folder; the folder's own entry.json, the entry made on the runs'
-    machine, is copied as a file)."""
+    """A copy of helmet gelan-s's entry with its published `folder` of runs under tmp_path (the tables read an --out
+    folder; the folder's own entry.json, the entry made on the runs' machine, is copied as a file), and a function
+    rendering that experiment's table (utils/benchmark_tables.py: the experiment is declared, not coded)."""
     import shutil
-    call_cli("scripts/benchmark_accuracy.py", "--render", "--check")  # loads the script as a module
+    from utils import benchmark_tables
     src, dst = REPO / "results" / "helmet" / "gelan-s", tmp_path / "helmet" / "gelan-s"
     shutil.copytree(src / folder, dst / folder)
     shutil.copy(src / "entry.json", dst / "entry.json")
-    return sys.modules["cli_benchmark_accuracy"], dst
+    return benchmark_tables, dst, lambda: benchmark_tables.experiment_table(tmp_path,
+                                                                            benchmark_tables.EXPERIMENTS[folder])
 
 
 def test_partial_controls_sit_only_beside_runs_of_the_same_settings(tmp_path):
     """The partial-control table sets qat.py reports beside their entry's QAT and float control, each part's best
     and last epoch over its seeds; a report made with other settings than the entry's is refused, not compared."""
-    bench, dst = _published_runs(tmp_path, "partial-control")
-    entry = bench._entry_beside(dst / "partial-control")
+    tables, dst, table_of = _published_runs(tmp_path, "partial-control")
+    entry = tables.entry_beside(dst / "partial-control")
     reports = [json.loads(f.read_text()) for f in sorted((dst / "partial-control").glob("*-seed*.json"))]
-    table = bench.partial_control_table(tmp_path)
+    table = table_of()
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
     qat_best = sum(max(r["select_by_epoch"]) for r in entry["qat"].values()) / len(entry["qat"])
     part_last = sum(r["qat"][-1]["ap"] for r in reports) / len(reports)
@@ -255,16 +255,16 @@ def test_partial_controls_sit_only_beside_runs_of_the_same_settings(tmp_path):
     report["config"]["iters"] = 2 * report["config"]["iters"]
     changed.write_text(json.dumps(report))
     with pytest.raises(ValueError, match="other settings"):
-        bench.partial_control_table(tmp_path)
+        table_of()
 
 
 def test_float_first_runs_sit_beside_the_default_runs_of_the_same_settings(tmp_path):
     """The float-first table: per number of float epochs, the float model, PTQ of it and the delivered model over
     the seeds, the entry's default runs as 0; an unfinished report or one with other settings is refused."""
-    bench, dst = _published_runs(tmp_path, "float-first")
+    _, dst, table_of = _published_runs(tmp_path, "float-first")
     reports = [json.loads(f.read_text()) for f in sorted((dst / "float-first").glob("float-2-*.json"))]
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
-            for line in bench.float_first_table(tmp_path).splitlines() if line.startswith("| ")}
+            for line in table_of().splitlines() if line.startswith("| ")}
     ptq = sum(r["recalibrated"]["metrics"]["ap"] for r in reports) / len(reports)
     float_model = sum(r["qat"][1]["ap"] for r in reports) / len(reports)
     assert rows["2"][1].startswith(f"{float_model:.4f} ± ") and rows["2"][2].startswith(f"{ptq:.4f} ± ")
@@ -275,16 +275,16 @@ def test_float_first_runs_sit_beside_the_default_runs_of_the_same_settings(tmp_p
     for edit in ({"finished": False}, {"config": {**report["config"], "imgsz": 640}}):
         changed.write_text(json.dumps({**report, **edit}))
         with pytest.raises(ValueError, match="not comparable"):
-            bench.float_first_table(tmp_path)
+            table_of()
 
 
 def test_longer_runs_sit_beside_the_entry_by_epochs(tmp_path):
     """The longer-runs table: one row per number of epochs, QAT and its float control each over their seeds (the
     entry's own runs as its row); a run with other settings than the entry's, epochs aside, is refused."""
-    bench, dst = _published_runs(tmp_path, "longer")
+    _, dst, table_of = _published_runs(tmp_path, "longer")
     reports = [json.loads(f.read_text()) for f in sorted((dst / "longer").glob("*-seed*.json"))]
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
-            for line in bench.longer_table(tmp_path).splitlines() if line.startswith("| ")}
+            for line in table_of().splitlines() if line.startswith("| ")}
     epochs = {r["config"]["epochs"] for r in reports}
     assert len(epochs) == 1 and list(rows)[1:] == ["5 (the entry)", str(*epochs)]
     qat_val = [r["val"]["final"]["ap"] for r in reports if not r["config"]["control"]]
@@ -296,7 +296,7 @@ def test_longer_runs_sit_beside_the_entry_by_epochs(tmp_path):
     report = json.loads(changed.read_text())
     changed.write_text(json.dumps({**report, "config": {**report["config"], "batch_size": 16}}))
     with pytest.raises(ValueError, match="not comparable"):
-        bench.longer_table(tmp_path)
+        table_of()
 
 
 def test_published_results_are_what_their_json_renders_to():

@@ -1,4 +1,4 @@
-"""A selection split carved from the training images, and dataset fingerprints.
+"""The select split, from the rule to the files a run writes, and dataset fingerprints.
 
 Every choice `qat.py quantize` and the benchmark make (calibration method, delivered model, recipe, the peer's
 method) is made on a `select` split: a fixed, seeded share of the training images that calibration, QAT and
@@ -10,6 +10,11 @@ order, and a smaller share of the same images is a subset of a larger one.
 
 writes DIR/fit.txt and DIR/select.txt (absolute image paths) and DIR/split.yaml: `train` = fit, `val` = select,
 `test` = the original val, plus the fingerprints of the three (md5 over names, image bytes and label bytes).
+
+A `qat.py` run asks once (`split_for` with its `SelectConfig`: carved from the training images, the val images of
+`--select-data`, or with `--no-select` the val images) and gets a `SelectSplit` that writes the run's
+`split/select.txt` (and `split/fit.txt`, what calibration and fine-tuning read) and describes itself for
+report.json; the choices made on it are models/selection.py's.
 """
 from __future__ import annotations
 
@@ -17,10 +22,12 @@ import argparse
 import hashlib
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
+
+from utils.io_utils import atomic_write
 
 IMAGE_SUFFIXES = {".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp", ".pfm"}
 DEFAULT_FRACTION = 0.1
@@ -134,11 +141,95 @@ def write_split(data: str | Path, out: str | Path, fraction: float = DEFAULT_FRA
             return yaml_file
         raise FileExistsError(f"{yaml_file} holds another split (fraction {old.get('fraction')}, seed "
                               f"{old.get('seed')}); choose another --out")
-    from utils.io_utils import atomic_write
     for name, files in (("fit.txt", split.fit), ("select.txt", split.select)):
         atomic_write(out / name, lambda tmp, fs=files: Path(tmp).write_text("".join(f"{f}\n" for f in fs)))
     atomic_write(yaml_file, lambda tmp: Path(tmp).write_text(yaml.safe_dump(spec, sort_keys=False)))
     return yaml_file
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    """Where choices are made: a share of the training images (fraction, at least `min_images` where at most half
+    of the images are taken), the val images of a separate yaml (`data`), or, switched off, the val images."""
+    fraction: float = DEFAULT_FRACTION
+    min_images: int = DEFAULT_MIN_IMAGES
+    data: str | None = None
+    enabled: bool = True
+
+    def __post_init__(self):
+        if not 0 < self.fraction < 1:
+            raise ValueError(f"--select-fraction must be between 0 and 1, got {self.fraction}")
+        if self.min_images < 1:
+            raise ValueError(f"--select-min must be >= 1, got {self.min_images}")
+        if self.data and not self.enabled:
+            raise ValueError("--select-data and --no-select contradict each other")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SelectSplit:
+    """The images choices are made on, and the training images left for calibration and fine-tuning (None: all
+    of them)."""
+    select: tuple[Path, ...]             # the image files
+    fit: tuple[Path, ...] | None
+    source: str                          # "train" (carved), "select-data" or "val" (no split)
+
+    def info(self) -> dict:
+        """For report.json: the source, image counts and the select images' fingerprint."""
+        return {"source": self.source, "images": len(self.select), "fingerprint": fingerprint(self.select),
+                **({} if self.fit is None else {"fit_images": len(self.fit)})}
+
+    def write(self, folder: Path, write: bool = True) -> tuple[str, str | None]:
+        """The select and fit image lists as upstream `val`/`train` entries: .txt files in `folder` (no fit list
+        where the training images are not split), written where `write` (one process of a distributed job writes,
+        the others read)."""
+        lists = {folder / "select.txt": self.select, **({} if self.fit is None else {folder / "fit.txt": self.fit})}
+        if write:
+            folder.mkdir(parents=True, exist_ok=True)
+            for path, files in lists.items():
+                text = "".join(f"{f}\n" for f in files)
+                if not path.is_file() or path.read_text() != text:
+                    atomic_write(path, lambda tmp, t=text: Path(tmp).write_text(t))
+        paths = [str(path) for path in lists]
+        return paths[0], paths[1] if len(paths) > 1 else None
+
+
+def split_for(data_dict: dict, cfg: SelectConfig, data_flag: str) -> SelectSplit:
+    """The select split of a dataset (upstream's checked data dict), checked before anything is written."""
+    if cfg.data:
+        from utils.batches import load_data  # upstream's dataset check: only where a run asks
+        if not Path(cfg.data).is_file():
+            raise FileNotFoundError(f"--select-data {cfg.data}: file not found")
+        return SelectSplit(_listed(load_data(cfg.data)["val"], f"--select-data {cfg.data}"), None, "select-data")
+    if not cfg.enabled:
+        from utils.general import LOGGER, colorstr
+        LOGGER.warning(f"{colorstr('select: ')}--no-select: the calibration method, the best epoch and the delivered model are "
+                       "chosen on the val images, so their val mAP is optimistic")
+        return SelectSplit(_listed(data_dict["val"], f"--data {data_flag}"), None, "val")
+    train = image_files(data_dict["train"])
+    if len(train) < 4:
+        raise ValueError(f"--data {data_flag}: {len(train)} training image(s) are too few to hold out a select split "
+                         "(give --select-data, or --no-select)")
+    # the split's seed is fixed, not the run's --seed: every seed of a benchmark and the float training hold out
+    # the same images (utils/datasplit.py, which scripts/train_float.py and the benchmark use too)
+    split = carve(train, cfg.fraction, DEFAULT_SEED, cfg.min_images)
+    if not any(label_file(f).is_file() and label_file(f).stat().st_size for f in split.select):
+        raise ValueError(f"--data {data_flag}: none of the {len(split.select)} held-out training images has a label; "
+                         "choices made on them would be noise (give --select-data)")
+    return SelectSplit(split.select, split.fit, "train")
+
+
+def _listed(val, flag: str) -> tuple[Path, ...]:
+    """The images of an upstream `val` entry, listed once (the run's split/select.txt records them)."""
+    try:
+        files = tuple(image_files(val))
+    except FileNotFoundError as e:
+        raise ValueError(f"{flag}: val {e}") from None
+    if not files:
+        raise ValueError(f"{flag}: val {val} holds no images")
+    return files
 
 
 def parse_opt(argv=None):

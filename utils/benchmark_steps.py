@@ -1,0 +1,194 @@
+"""The accuracy benchmark's settings and steps (scripts/benchmark_accuracy.py runs them in phases): each step is one
+of this toolkit's commands (qat.py, export_qat.py, val_trt.py) run as a user runs it, logged, and skipped when its
+output exists, so an interrupted benchmark resumes; plus what an entry keeps of each run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from utils.datasplit import image_files
+from utils.io_utils import atomic_write, write_json
+
+
+@dataclass(frozen=True)
+class Bench:
+    dataset: str
+    data: str
+    imgsz: int
+    device: str
+    batch_size: int
+    workers: int
+    seeds: tuple[int, ...]
+    methods: tuple[str, ...]
+    qat_epochs: int
+    iters: int
+    calib_batches: int
+    qat_args: tuple[str, ...]
+    modelopt: bool
+    skip: tuple[str, ...]
+    jobs: int
+    ort_seeds: int
+    work: Path
+    out: Path
+    max_loss: float | None = None
+
+    def device_for(self, seed: int) -> str:
+        """--device 0,1: each seed's runs on one of the GPUs in turn (a run is one process on one device)."""
+        devices = self.device.split(",")
+        return devices[self.seeds.index(seed) % len(devices)] if seed in self.seeds else devices[0]
+
+    @property
+    def step_env(self) -> dict[str, str]:
+        """Each step's environment: with several jobs at a time, each gets its share of the CPUs for its math
+        threads (more OpenMP threads than cores spin against each other: two jobs of two threads on two cores ran
+        auto's range computations 20x slower). A thread count the caller set is kept."""
+        env = dict(os.environ)
+        if self.jobs > 1:
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.jobs)))
+        return env
+
+    def common(self, weights: Path, data: Path, seed: int) -> list[str]:
+        return ["--weights", str(weights), "--data", str(data), "--imgsz", str(self.imgsz), "--device",
+                self.device_for(seed),
+                "--batch-size", str(self.batch_size), "--calib-batches", str(self.calib_batches), "--workers",
+                str(self.workers)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Steps (each skipped when its output exists)
+# --------------------------------------------------------------------------------------------------
+def run_step(cmd: list[str], log: Path, env: dict[str, str]) -> None:
+    print("+ " + shlex.join(cmd), flush=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if r.returncode:
+        raise RuntimeError(f"{shlex.join(cmd)} failed (exit {r.returncode}); log {log}:\n{log.read_text()[-1500:]}")
+
+
+def quantize_run(args: list[str], save_dir: Path, env: dict[str, str]) -> dict:
+    """A `qat.py quantize` run (resumed where it stopped); its report. A folder made with other arguments is an
+    error, not a result: its numbers would be reported as this run's."""
+    report, recorded = save_dir / "report.json", save_dir / "benchmark_args.json"
+    what = _result_args(args)
+    if recorded.is_file() and json.loads(recorded.read_text()) != what:
+        raise RuntimeError(f"{save_dir} holds a run made with other arguments ({recorded}); use another --work")
+    if not report.is_file():
+        save_dir.mkdir(parents=True, exist_ok=True)
+        write_json(recorded, what)
+    if not (report.is_file() and json.loads(report.read_text()).get("finished")):
+        resume = ["--resume", str(save_dir)] if report.is_file() else \
+            [*args, "--project", str(save_dir.parent), "--name", save_dir.name, "--exist-ok"]
+        run_step([sys.executable, "qat.py", "quantize", *resume], save_dir.with_name(save_dir.name + ".log"), env)
+    return json.loads(report.read_text())
+
+
+def _result_args(args: list[str]) -> list[str]:
+    """The arguments that decide a run's numbers: where it runs (--device, --workers) may change when it resumes."""
+    out, i = [], 0
+    while i < len(args):
+        if args[i] in ("--device", "--workers"):
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
+def recipe_tag(qat_args: tuple[str, ...]) -> str:
+    """'' for the default recipe, else e.g. '-recipe-reference': QAT with --qat-args gets folders of its own."""
+    return "".join(f"-{re.sub(r'[^A-Za-z0-9.-]+', '_', a.lstrip('-'))}" for a in qat_args)
+
+
+def measure(model: Path, data: Path, out: Path, bench: Bench) -> dict:
+    """mAP of a .pt (PyTorch) or .onnx (ONNX Runtime) through val_trt.py: one loop, one letterbox for all."""
+    result = out / "val_trt.json"
+    if not result.is_file():
+        source = ["--onnx-file", str(model)] if model.suffix == ".onnx" else ["--weights", str(model), "--device",
+                                                                             bench.device_for(-1)]
+        run_step([sys.executable, "val_trt.py", *source, "--data", str(data), "--imgsz", str(bench.imgsz),
+                  "--batch-size", "8", "--workers", str(bench.workers), "--project", str(out.parent), "--name",
+                  out.name, "--exist-ok"], out.with_suffix(".log"), bench.step_env)
+    m = json.loads(result.read_text())
+    return {k: m[k] for k in ("ap", "ap50", "precision", "recall")}
+
+
+def export(weights: Path, dtype: str, bench: Bench) -> Path:
+    """The deployable graph of a checkpoint: FP32 (PyTorch's arithmetic, Model Optimizer's input) or FP16 (what
+    TensorRT 11 builds), written beside a copy named after it."""
+    onnx_file = weights.with_name(f"{weights.stem}-{dtype}.onnx")
+    if not onnx_file.is_file():
+        copy = weights.with_name(onnx_file.stem + ".pt")
+        shutil.copyfile(weights, copy)
+        run_step([sys.executable, "export_qat.py", "--weights", str(copy), "--include", "onnx", "--dynamic",
+                  "--imgsz", str(bench.imgsz), "--dtype", dtype, "--exist-ok"], copy.with_suffix(".export.log"),
+                 bench.step_env)
+        copy.unlink()
+    return onnx_file
+
+
+def lint_summary(onnx_file: Path) -> dict:
+    """Counted by one rule for every graph (ours and the peer's): utils/qdq_lint.py."""
+    from utils.qdq_lint import lint_file
+    report = lint_file(onnx_file)
+    return {"qdq_nodes": report.quantize_nodes, "quantized_convs": report.quantized_convs, "convs": report.convs,
+            "unshared_joins": len(report.unshared_joins), "unquantized_convs": len(report.unquantized_convs)}
+
+
+def images_per_second(epochs: list[dict], batch_size: int, iters: int) -> float | None:
+    """Training images per second of a run's QAT epochs (their `train_s`, the steps alone), as it ran: beside the
+    benchmark's other jobs on the same GPU and CPUs, so a floor for one run alone. None where the epochs' length
+    is not a count of iterations (--iters 0: one pass over the images) or no time was recorded."""
+    seconds = sum(e.get("train_s", 0) for e in epochs)
+    return round(len(epochs) * iters * batch_size / seconds, 1) if seconds and iters else None
+
+
+def mixed_summary(record: dict) -> dict:
+    """What the entry keeps of a run's mixed-precision record: the budget, what was kept in float and why, what it
+    costs the engine, the select mAP all-INT8 and mixed, and the time the choice took."""
+    keep = ("max_loss", "reached", "kept_float", "float_convs", "int8_mac_share", "boundaries", "lint_problems",
+            "origin_select", "all_int8_select", "mixed_select", "candidates", "seconds")
+    return {k: record[k] for k in keep if k in record} | {"measured": len(record.get("measured", {})),
+                                                          "tried": len(record.get("tried", []))}
+
+
+def public(run: dict) -> dict:
+    """A run's numbers without machine-local paths and file lists (the sample is identified by its digest)."""
+    return {k: v for k, v in run.items() if k not in ("final_file", "calibration_images", "file")}
+
+
+def yaml_split(split_yaml: Path) -> dict:
+    import yaml
+    return yaml.safe_load(split_yaml.read_text())["split"]
+
+
+def sample_id(names: list[str]) -> str:
+    """Which images a calibration used, as a digest of their names in the order drawn."""
+    import hashlib
+    return hashlib.md5("\n".join(names).encode()).hexdigest()
+
+
+def calibration_array(split_yaml: Path, names: list[str], imgsz: int, path: Path) -> Path:
+    """The named fit images, square-letterboxed as the pipeline's calibration loader gives them, float32 0-1
+    NCHW (Model Optimizer's --calibration_data_path)."""
+    if path.is_file():
+        return path
+    import numpy as np
+    import yaml
+    from utils.dataloaders import LoadImages
+    fit = {f.name: f for f in image_files(yaml.safe_load(split_yaml.read_text())["train"])}
+    missing = [n for n in names if n not in fit]
+    if missing:
+        raise ValueError(f"calibration images not in the fit split: {missing[:3]}")
+    images = [im.astype(np.float32) / 255 for _, im, *_ in
+              (next(iter(LoadImages(str(fit[n]), img_size=imgsz, stride=32, auto=False))) for n in names)]
+    atomic_write(path, lambda tmp: np.save(open(tmp, "wb"), np.stack(images)))
+    return path

@@ -1,0 +1,408 @@
+"""The benchmark's tables, rendered from the JSON under results/ (what scripts/benchmark_accuracy.py and the other
+benchmarks wrote): the per-model accuracy entries, the float trainings, the recipe ablations, the training cost,
+the demo, and the experiments: kept `qat.py quantize` runs set beside an entry.
+
+An experiment table is data, not code (`EXPERIMENTS`): the folder its report.json files sit in, which setting
+groups them into rows, which columns (a metric of an arm, or the difference of two cells), and which settings may
+differ from the entry's (the rest must agree, or the table refuses to render). Every run, an entry's or a kept
+report's, is read into the same per-seed metrics first (`entry_runs`, `report_run`), so a new experiment needs a
+new `Experiment`, not a new function.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from utils.provenance import overlay_repo
+from utils.results import difference, fmt, fmt_difference, render_files, spread
+
+REPO = overlay_repo()
+
+
+def summarize(e: dict) -> dict:
+    """Mean +- std over seeds of every stage that ran, on val, and the differences the claims rest on."""
+    over = lambda runs, key: spread([r[key]["ap"] for r in runs.values()])  # noqa: E731
+    s = {"fp": spread([e["fp"]["val"]["ap"]], fixed=True),
+         "ptq": {m: over(runs, "val") for m, runs in e["ptq"].items()},
+         "ptq_select": {m: over(runs, "select") for m, runs in e["ptq"].items()}}
+    best_ptq = s["ptq"][e["ptq_choice"]]
+    s["best_ptq_vs_fp"] = difference(best_ptq, s["fp"])
+    s["best_fixed_on_val"] = max(s["ptq"], key=lambda m: s["ptq"][m]["mean"])  # the hardest bar, known only after
+    best_fixed = s["ptq"][s["best_fixed_on_val"]]
+    if "qat" in e:
+        s["auto"] = spread([r["auto"]["val"]["ap"] for r in e["qat"].values()])
+        s["auto_vs_best_fixed"] = difference(s["auto"], best_fixed)
+        s["qat_best"], s["qat_last"] = over(e["qat"], "val_best"), over(e["qat"], "val_last")
+        s["final"] = over(e["qat"], "val_final")
+        s["user_gain"] = difference(s["final"], s["fp"])                      # delivered - the float model
+        s["final_vs_best_fixed"] = difference(s["final"], best_fixed)
+        s["qat_vs_best_ptq"] = difference(s["qat_best"], best_ptq)
+    if "fp_ft" in e:
+        s["fp_ft_best"], s["fp_ft_last"] = over(e["fp_ft"], "val_best"), over(e["fp_ft"], "val_last")
+    if "mixed" in e:
+        s["mixed"] = over(e["mixed"], "val_final")
+        s["mixed_vs_fp"] = difference(s["mixed"], s["fp"])
+        s["mixed_int8_share"] = spread([r["mixed_precision"]["int8_mac_share"] for r in e["mixed"].values()])
+        if "fp_ft" in e:
+            s["mixed_vs_fp_ft"] = difference(s["mixed"], s["fp_ft_best"])
+    if "qat" in e and "fp_ft" in e:
+        s["quantization_cost"] = difference(s["final"], s["fp_ft_best"])      # delivered - its float control
+    if "ort" in e:  # against the same seeds' delivered checkpoint in PyTorch: that is the file exported
+        s["ort"] = {d: over(runs, "val") for d, runs in e["ort"].items()}
+        s["ort_vs_pytorch"] = {d: difference(v, spread([e["qat"][seed]["val_final"]["ap"] for seed in e["ort"][d]]))
+                               for d, v in s["ort"].items()}
+    if "modelopt" in e:
+        s["modelopt"] = {m: over(runs, "val") for m, runs in e["modelopt"].items()}
+        peer = s["modelopt"][e["modelopt_choice"]]
+        s["ptq_vs_modelopt"] = difference(best_ptq, peer)
+        if "qat" in e:
+            s["qat_vs_modelopt"] = difference(s["qat_best"], peer)
+    return s
+
+
+# --------------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------------
+def entries(out: Path) -> list[dict]:
+    return [json.loads(f.read_text()) for f in sorted(out.glob("*/*/entry.json"))]
+
+
+def model_table(e: dict) -> str:
+    """One model: every stage's mAP50-95 on val (mean +- std over seeds) and on select where choices were made."""
+    s, seeds = e["summary"], len(e["provenance"]["seeds"])
+    not_run = "not run (" + ", ".join(e.get("not_run", [])) + " skipped)"
+    rows = [("FP32 (the trained model)", s["fp"], fmt(spread([e["fp"]["select"]["ap"]])))]
+    for m in s["ptq"]:
+        chosen = " (chosen on select)" if m == e["ptq_choice"] else ""
+        rows.append((f"PTQ {m}{chosen}", s["ptq"][m], fmt(s["ptq_select"][m])))
+    if "auto" in s:
+        chosen = ", ".join(r["auto"]["chosen"] for r in e["qat"].values())
+        rows.append((f"PTQ auto, the default (chose {chosen})", s["auto"],
+                     fmt(spread([r["auto"]["candidates"][r["auto"]["chosen"]] for r in e["qat"].values()]))))
+    for key, name in (("fp_ft_best", "FP fine-tune control, best epoch on select"),
+                      ("fp_ft_last", "FP fine-tune control, last epoch"), ("qat_best", "QAT, best epoch on select"),
+                      ("qat_last", "QAT, last epoch")):
+        rows.append((name, s.get(key), "" if key in s else not_run))
+    if "final" in s:
+        stages = ", ".join(r["final"]["stage"] + (f" {r['final']['epoch']}" if r["final"]["epoch"] else "")
+                           for r in e["qat"].values())
+        rows.append((f"**Delivered by the default command** (best on select of PTQ and QAT epochs: {stages})",
+                     s["final"], ""))
+    if "mixed" in s:
+        runs = e["mixed"].values()
+        budget = next(iter(runs))["mixed_precision"]["max_loss"]
+        kept = ", ".join(str(len(r["mixed_precision"]["float_convs"])) for r in runs)
+        rows.append((f"Delivered with --max-loss {budget:g} (convs kept in float per seed: {kept}; INT8 share of "
+                     f"conv MACs {fmt(s['mixed_int8_share'])})", s["mixed"], ""))
+    for dtype, name in (("fp32", "QAT, FP32 Q/DQ graph in ONNX Runtime"),
+                        ("fp16", "QAT, FP16 Q/DQ graph in ONNX Runtime (TensorRT 11's)")):
+        rows.append((name, s.get("ort", {}).get(dtype), "" if "ort" in s else not_run))
+    for m, v in s.get("modelopt", {}).items():
+        chosen = " (chosen on select)" if m == e.get("modelopt_choice") else ""
+        rows.append((f"Model Optimizer ONNX PTQ {m}{chosen}", v,
+                     fmt(spread([r["select"]["ap"] for r in e["modelopt"][m].values()]))))
+    machine_ = e["provenance"]["machine"]
+    lines = [f"**{e['model']}** on {e['dataset']} ({e['provenance']['split']['images']['val']} val images, "
+             f"imgsz {e['imgsz']}; {seeds} seeds; {machine_['gpu'] or 'CPU: ' + machine_['cpu']}; commit "
+             f"{_commit(e['provenance']['commit'])})", "",
+             "| Stage | mAP50-95 val, mean ± std (seeds) | mAP50-95 select |", "|---|---|---|"]
+    lines += [f"| {name} | {fmt(v)} | {sel} |" for name, v, sel in rows]
+    claims = [("Quantization cost (delivered - its FP control)", s.get("quantization_cost")),
+              ("Mixed precision - its FP control", s.get("mixed_vs_fp_ft")), ("Mixed precision - FP32", s.get("mixed_vs_fp")),
+              ("Delivered - FP32", s.get("user_gain")),
+              (f"Delivered - best fixed PTQ on val ({s['best_fixed_on_val']})", s.get("final_vs_best_fixed")),
+              (f"PTQ auto - best fixed PTQ on val ({s['best_fixed_on_val']})", s.get("auto_vs_best_fixed")),
+              ("QAT best epoch - PTQ chosen on select", s.get("qat_vs_best_ptq")),
+              ("PTQ chosen on select - FP32", s.get("best_ptq_vs_fp"))]
+    lines += [""] + [f"- {name}: {fmt_difference(d)}" for name, d in claims if d]
+    if "ort_vs_pytorch" in s:
+        lines.append("- Deployed graphs - PyTorch: " + ", ".join(f"{d} {fmt_difference(v)}"
+                                                                  for d, v in s["ort_vs_pytorch"].items()))
+    if "modelopt" in s:
+        ours = "QAT" if "qat_vs_modelopt" in s else "Best PTQ"
+        lint = e["modelopt"][e["modelopt_choice"]][str(e["provenance"]["seeds"][0])]["lint"]
+        lines.append(f"- {ours} - Model Optimizer ({e['modelopt_choice']}): "
+                     f"{fmt_difference(s.get('qat_vs_modelopt') or s['ptq_vs_modelopt'])}; unshared-scale joins: "
+                     f"ours {e['ours_lint']['unshared_joins']}, Model Optimizer {lint['unshared_joins']}")
+    return "\n".join(lines)
+
+
+def _commit(commit: str) -> str:
+    """A short commit, marked where the run's working tree held changes beyond it."""
+    return commit[:10] + (" with uncommitted changes" if commit.endswith("-dirty") else "")
+
+
+def training_table(out: Path) -> str:
+    """The float models' trainings (scripts/train_float.py): how long, the best select epoch, convergence."""
+    rows = []
+    for f in sorted(out.glob("*/*/float/train.json")):
+        t = json.loads(f.read_text())
+        start, end = t["started"], t.get("last_epochs")
+        since = f"{t['epochs_since_best']} epoch{'' if t['epochs_since_best'] == 1 else 's'} since the best"
+        plateau = "" if not end or end["noise"] is None else \
+            f"; last {end['window']}: rise {end['rise']:+.4f}, noise {end['noise']:.4f}"
+        gpus = re.search(r"--nproc-per-node (\d+)", start["command"])
+        seconds = f"{t['train_seconds'] / 60:.1f} min" if t.get("train_seconds") else "not recorded"
+        rows.append(f"| {f.parts[-4]} | {t['model']} | {t['epochs_run']} of {t['max_epochs']} | {t['best_epoch']} | "
+                    f"{t['best_select_map']:.4f} | {'yes' if t['converged'] else 'no'} ({since}{plateau}) | "
+                    f"{seconds} | {gpus[1] if gpus else 1} x {start['machine']['gpu']} | "
+                    f"[curve](../{f.parent.relative_to(out.parent)}/curve.png) |")
+    return _markdown(("Data", "Model", "Epochs run", "Best epoch", "Best select mAP50-95", "Converged", "Time", "GPUs",
+                      "Curve"), rows, "No float training recorded yet.")
+
+
+def costs_table(out: Path) -> str:
+    """QAT step vs its float control's step (scripts/benchmark_costs.py)."""
+    rows = []
+    for f in sorted((out / "costs").glob("*.json")):
+        c = json.loads(f.read_text())
+        rows.append(f"| {c['model']} | {c['batch_size']} x {c['imgsz']} | {c['machine']['gpu'] or 'CPU'} | "
+                    f"{c['control_step_s']['median']:.4f} | {c['qat_step_s']['median']:.4f} | "
+                    f"{c['ratio']:.2f}x | {c['steps']} each, interleaved |")
+    return _markdown(("Model", "Batch x size", "GPU", "FP control step (s, median)", "QAT step (s, median)", "QAT / FP",
+                      "Steps"), rows, "No cost measurement recorded yet.")
+
+
+def _markdown(header: tuple[str, ...], rows: list[str], none: str) -> str:
+    """A markdown table of already formatted rows, or `none` where there are none."""
+    if not rows:
+        return none
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *rows])
+
+
+def demo_table(out: Path) -> str:
+    """The demo's last recorded run (scripts/demo.sh with RECORD=1)."""
+    f = out / "demo" / "demo.json"
+    if not f.is_file():
+        return "No demo run recorded yet."
+    d = json.loads(f.read_text())
+    return (f"{d['table']}\n\n({d['where']}, {d['date']}, commit {d['commit'][:10]}: {d['minutes']:.1f} min in all; "
+            f"{d['data']}. A single run: the calibration method and the delivered stage were chosen on "
+            f"{d['report']['select']['images']} held-out training images (the select rows), the other rows are "
+            f"measured on the val images; it shows the workflow runs, not an accuracy claim (the table below is "
+            f"that); on another CPU a few INT8 roundings flip and these figures move a little.)")
+
+
+def ablation_table(out: Path) -> str:
+    """Recipe variants on the select split (scripts/benchmark_accuracy.py --ablation): each dataset's latest
+    (ablation.json) first, then earlier ones kept under another name (ablation-COMMIT.json)."""
+    parts = []
+    for f in sorted(out.glob("*/*/ablation*.json"), key=lambda f: (f.parent, f.name != "ablation.json", f.name)):
+        a = json.loads(f.read_text())
+        select = a["provenance"]["split"]["images"]["select"]
+        lines = [f"**{a['model']}** on {a['dataset']}, select split ({select} images), from PTQ {a['calibration']} "
+                 f"({len(a['provenance']['seeds'])} seeds, commit {_commit(a['provenance']['commit'])})", "",
+                 "| Variant | What | Best-epoch mAP50-95 on select | vs default | Last epoch | vs default | "
+                 "Delivered (best of PTQ and epochs) | vs default |",
+                 "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {v} | {r['what']} | {fmt(r['select_best'])} | {fmt_difference(r['vs_default'])} | "
+                  + " | ".join(f"{fmt(r[column])} | {fmt_difference(r[vs])}" if column in r else "not recorded | "
+                               for column, vs in (("select_last", "last_vs_default"),
+                                                  ("select_delivered", "delivered_vs_default"))) + " |"
+                  for v, r in a["variants"].items()]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) if parts else "No ablation recorded yet."
+
+
+# --------------------------------------------------------------------------------------------------
+# Experiments: kept qat.py runs beside the entry made on their machine
+# --------------------------------------------------------------------------------------------------
+def entry_runs(e: dict) -> dict[str, dict[str, dict[str, float]]]:
+    """An entry's default-command runs ("qat") and float controls ("control"), per seed, as the metrics the experiments read."""
+    qat = {s: {"select_best": max(r["select_by_epoch"]), "select_last": r["select_by_epoch"][-1],
+               "select_delivered": max(r["auto"]["candidates"][r["auto"]["chosen"]], *r["select_by_epoch"]),
+               "val_delivered": r["val_final"]["ap"], "float_select": e["fp"]["select"]["ap"],
+               "ptq_select": r["auto"]["candidates"][r["auto"]["chosen"]]} for s, r in e["qat"].items()}
+    control = {s: {"select_best": max(r["select_by_epoch"]), "select_last": r["select_by_epoch"][-1],
+                   "select_delivered": max(r["select_by_epoch"]), "val_delivered": r["val_best"]["ap"]}
+               for s, r in e.get("fp_ft", {}).items()}
+    return {"qat": qat, "control": control}
+
+
+def report_run(r: dict) -> dict[str, float]:
+    """A kept qat.py report.json as the same metrics: its fine-tune epochs (float epochs aside), the delivered model (the best
+    on select) on select and val, and where it fine-tuned in float first, the float model and PTQ of it."""
+    tuned = [e["ap"] for e in r["qat"] if e.get("stage") != "float"]
+    k = r["config"].get("float_epochs", 0)
+    return {"select_best": max(tuned), "select_last": tuned[-1], "select_delivered": r["final"]["ap"],
+            "val_delivered": r["val"]["final"]["ap"],
+            **({"float_select": r["qat"][k - 1]["ap"], "ptq_select": r["recalibrated"]["metrics"]["ap"]} if k else {})}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A column: `metric` of `arm` in this row, minus (when `minus` is set) another cell: (row or None for this
+    row, arm, metric); arm "float model" is the entry's float model on val."""
+    header: str
+    arm: str
+    metric: str
+    minus: tuple[object, str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Experiment:
+    folder: str                                  # OUT/<dataset>/<model>/<folder>/: the runs' report.json files
+    title: str                                   # after "**model** on dataset, select split (N images), "
+    row_header: str
+    row_of: Callable[[dict], object]             # a kept report's row
+    arm_of: Callable[[dict], str]                # and its arm within the row
+    entry_rows: Callable[[dict], dict]           # the entry's own runs: {row: {arm: entry arm name}}
+    row_label: Callable[[object, dict], str]     # (row, entry) -> the first cell
+    cells: tuple[Cell, ...]
+    ignore: tuple[str, ...] = ()                 # settings the kept runs may change (the rest must be the entry's)
+    none: str = "No run recorded yet."
+    order: Callable[[object], object] = lambda row: row  # rows sorted by it
+
+
+PARTS = {"": "weights and activations (QAT, the default command)", "weights": "activations only (weights float)",
+         "activations": "weights only (activations float)", "all": "nothing (the float control)"}
+_VS_QAT = ("", "run")
+EXPERIMENTS = {
+    "partial-control": Experiment(
+        "partial-control", "{qat_epochs} x {iters} iterations, seeds {seeds}", "INT8 during the fine-tune",
+        row_of=lambda r: r["config"]["control"], arm_of=lambda r: "run",
+        entry_rows=lambda e: {"": {"run": "qat"}, "all": {"run": "control"}},
+        row_label=lambda row, e: PARTS[row],
+        cells=(Cell("Best epoch on select", "run", "select_best"),
+               Cell("vs QAT", "run", "select_best", (*_VS_QAT, "select_best")),
+               Cell("Last epoch", "run", "select_last"),
+               Cell("vs QAT", "run", "select_last", (*_VS_QAT, "select_last")),
+               Cell("Best epoch on val", "run", "val_delivered")),
+        none="No partial control recorded yet.", order=lambda row: list(PARTS).index(row)),
+    "float-first": Experiment(
+        "float-first", "{qat_epochs} x {iters} iterations, {n_seeds} seeds", "Float epochs before PTQ",
+        row_of=lambda r: r["config"]["float_epochs"], arm_of=lambda r: "run",
+        entry_rows=lambda e: {0: {"run": "qat"}},
+        row_label=lambda row, e: f"{row}{' (the default command)' if not row else ''}",
+        cells=(Cell("Float model, select", "run", "float_select"), Cell("PTQ (auto), select", "run", "ptq_select"),
+               Cell("PTQ - float", "run", "ptq_select", (None, "run", "float_select")),
+               Cell("QAT after it, best epoch", "run", "select_best"),
+               Cell("Delivered, select", "run", "select_delivered"), Cell("Delivered, val", "run", "val_delivered")),
+        none="No float-first run recorded yet."),
+    "longer": Experiment(
+        "longer", "{iters} iterations per epoch, delivered models (best on select)", "Epochs",
+        row_of=lambda r: r["config"]["epochs"], arm_of=lambda r: "control" if r["config"]["control"] else "qat",
+        entry_rows=lambda e: {e["settings"]["qat_epochs"]: {"qat": "qat", "control": "control"}},
+        row_label=lambda row, e: f"{row}{' (the entry)' if row == e['settings']['qat_epochs'] else ''}",
+        cells=(Cell("QAT, select", "qat", "select_delivered"), Cell("Float control, select", "control",
+                                                                    "select_delivered"),
+               Cell("QAT - control, select", "qat", "select_delivered", (None, "control", "select_delivered")),
+               Cell("QAT, val", "qat", "val_delivered"), Cell("Float control, val", "control", "val_delivered"),
+               Cell("QAT - control, val", "qat", "val_delivered", (None, "control", "val_delivered")),
+               Cell("QAT - float model, val", "qat", "val_delivered", (None, "float model", "val"))),
+        ignore=("epochs",), none="No longer run recorded yet."),
+}
+
+
+def _run_settings(run: dict) -> dict:
+    """What must match for a kept run to sit beside an entry's runs: select images, size, batch, schedule."""
+    if "config" in run:  # a qat.py report.json
+        c = run["config"]
+        return {"select": run["select"]["fingerprint"], "imgsz": c["imgsz"], "batch_size": c["batch_size"],
+                "epochs": c["epochs"], "iters": c["iters"], "calib_batches": c["quant"]["calib_batches"]}
+    s = run["settings"]
+    return {"select": run["provenance"]["split"]["fingerprint"]["select"], "imgsz": s["imgsz"],
+            "batch_size": s["batch_size"], "epochs": s["qat_epochs"], "iters": s["iters"],
+            "calib_batches": s["calib_batches"]}
+
+
+def entry_beside(folder: Path) -> dict:
+    """The entry an experiment's runs are set beside: `folder/entry.json` where the experiment names one (the entry
+    made on the machine its runs ran on: hosts of one kind differ by more than these differences), else the
+    model's current entry."""
+    own = folder / "entry.json"
+    return json.loads((own if own.is_file() else folder.parent / "entry.json").read_text())
+
+
+def comparable_reports(folder: Path, entry: dict, ignore: tuple[str, ...] = ()) -> list[dict]:
+    """The qat.py report.json files kept in `folder`, each a finished run with the entry's settings (`ignore`
+    aside); anything else is refused: its numbers would not be comparable."""
+    want = {k: v for k, v in _run_settings(entry).items() if k not in ignore}
+    reports = []
+    for f in sorted(p for p in folder.glob("*.json") if p.name != "entry.json"):
+        r = json.loads(f.read_text())
+        got = {k: v for k, v in _run_settings(r).items() if k not in ignore}
+        if got != want or not r.get("finished"):
+            raise ValueError(f"{f}: an unfinished run or one made with other settings than the entry's ({got} vs "
+                             f"{want}): its numbers are not comparable")
+        reports.append(r)
+    return reports
+
+
+def experiment_table(out: Path, x: Experiment) -> str:
+    """One table per model that kept runs of experiment `x`: rows of per-seed metrics, mean ± std over seeds."""
+    parts = []
+    for folder in sorted(out.glob(f"*/*/{x.folder}")):
+        e = entry_beside(folder)
+        mine = entry_runs(e)
+        rows: dict[object, dict[str, dict[str, list[float]]]] = {}
+        for row, arms in x.entry_rows(e).items():
+            for arm, source in arms.items():
+                for run in mine[source].values():
+                    for metric, v in run.items():
+                        rows.setdefault(row, {}).setdefault(arm, {}).setdefault(metric, []).append(v)
+        seeds = {str(s) for s in e["qat"]}
+        for r in comparable_reports(folder, e, x.ignore):
+            seeds.add(str(r["config"]["seed"]))
+            arm = rows.setdefault(x.row_of(r), {}).setdefault(x.arm_of(r), {})
+            for metric, v in report_run(r).items():
+                arm.setdefault(metric, []).append(v)
+        rows["float model"] = {"float model": {"val": [e["fp"]["val"]["ap"]]}}
+
+        def value(row, arm, metric):
+            values = rows[row][arm][metric] if arm != "float model" else rows["float model"][arm]["val"]
+            return spread(values, fixed=arm == "float model")
+
+        s = e["settings"]
+        title = x.title.format(qat_epochs=s["qat_epochs"], iters=s["iters"], n_seeds=len(e["qat"]),
+                               seeds=", ".join(sorted(seeds)))
+        lines = [f"**{e['model']}** on {e['dataset']}, select split ({e['provenance']['split']['images']['select']} "
+                 f"images), {title}", "", "| " + " | ".join([x.row_header] + [c.header for c in x.cells])
+                 + " |", "|" + "---|" * (len(x.cells) + 1)]
+        for row in sorted((k for k in rows if k != "float model"), key=x.order):
+            cells = [x.row_label(row, e)]
+            for c in x.cells:
+                v = value(row, c.arm, c.metric)
+                if c.minus is None:
+                    cells.append(fmt(v))
+                else:
+                    other_row, arm, metric = c.minus
+                    cells.append(fmt_difference(difference(v, value(row if other_row is None else other_row, arm,
+                                                                     metric))))
+            lines.append("| " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) if parts else x.none
+
+
+def rendered(out: Path, docs: bool) -> dict[Path, dict[str, str]]:
+    """Every rendered block, by file: OUT/accuracy.md, and with `docs` this repository's docs/RESULTS.md and
+    README.md (nothing outside --out otherwise)."""
+    tables = [model_table(e) for e in entries(out)]
+    accuracy = "\n\n".join(tables) if tables else "No benchmark entry yet."
+    files = {out / "accuracy.md": {"accuracy": accuracy}}
+    if docs:
+        files[REPO / "docs" / "RESULTS.md"] = {"accuracy": accuracy, "float-training": training_table(out),
+                                               "ablation": ablation_table(out), "costs": costs_table(out),
+                                               **{name: experiment_table(out, x) for name, x in EXPERIMENTS.items()}}
+        files[REPO / "README.md"] = {"accuracy": accuracy, "demo": demo_table(out)}
+    return files
+
+
+def render(out: Path, check: bool, docs: bool) -> int:
+    try:
+        files = rendered(out, docs)
+        diffs = render_files(files, check)
+    except ValueError as e:  # a file whose markers were removed, results that do not fit: name it, write nothing
+        print(f"benchmark_accuracy: error: {e}", file=sys.stderr)
+        return 1
+    if check and diffs:
+        print("\n".join(diffs))
+        print("benchmark_accuracy: the files above are not what the results JSON renders to; run "
+              "`python scripts/benchmark_accuracy.py --render`", file=sys.stderr)
+        return 1
+    print(f"benchmark_accuracy: {'checked' if check else 'rendered'} {len(files)} files")
+    return 0
