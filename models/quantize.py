@@ -424,17 +424,6 @@ def quantizer_counts(model: nn.Module) -> dict[str, int]:
     }
 
 
-def layer_quantizers(model: nn.Module, layer: int) -> list[TensorQuantizer]:
-    """Quantizers that sit under top-level layer `model.<layer>`."""
-    prefix = f"model.{layer}."
-    seen, out = set(), []
-    for name, m in model.named_modules(remove_duplicate=False):
-        if name.startswith(prefix) and isinstance(m, TensorQuantizer) and id(m) not in seen:
-            seen.add(id(m))
-            out.append(m)
-    return out
-
-
 @contextlib.contextmanager
 def quantization_disabled(quantizers: Iterable[TensorQuantizer]):
     """Temporarily run the given quantizers as identity."""
@@ -570,7 +559,7 @@ __all__ = [
     "QuantRecipe", "Int8Quantizer", "fake_quant", "fake_quant_with", "fake_quant_learnable",
     "learnable_amax_parameters",
     "freeze_amax", "quant_params", "quantize_model", "is_quantized",
-    "named_quantizers", "quantizer_counts", "layer_quantizers", "quantization_disabled", "calibrate",
+    "named_quantizers", "quantizer_counts", "quantization_disabled", "calibrate",
     "collect_statistics", "ActivationStatistics", "AUTO_CANDIDATES",
     "calibrate_weights", "copy_float",
     "skip_patterns", "CALIB_METHODS", "QUANTIZED_TYPES", "register",
