@@ -44,7 +44,7 @@ from models.quantize import (QuantRecipe, calibrate, collect_statistics, copy_fl
 from models.selection import choose, choose_calibration
 from models.runners import TorchRunner
 from models.task import Task, task_of
-from utils.batches import load_data, load_hyp, seeded_batches, seeded_rank_loader
+from utils.batches import load_data, load_hyp, seeded_batches, seeded_indices, seeded_rank_loader
 from utils.datasplit import SelectConfig, SelectSplit, split_for
 from utils.general import LOGGER, colorstr
 from utils.io_utils import Interrupted, OutputDir, atomic_write, write_json
@@ -208,6 +208,15 @@ def train_loader(task: Task, data_dict: dict, cfg: RunConfig, hyp: dict, augment
                                 augment=augment, workers=cfg.workers, cache=cfg.cache, shuffle=True, close_mosaic=True,
                                 prefix=colorstr("train: "))
     return seeded_rank_loader(loader, world.size, world.rank)
+
+
+def calibration_sample(task: Task, fit: str | Path, cfg: RunConfig) -> list[str]:
+    """The names of the images a run of `cfg` calibrates on (`calibrate_ranges`, one process), in the order drawn,
+    from the seeded sampler over the fit images (`fit`: their list) alone: no image is read."""
+    loader = train_loader(task, {"train": str(fit)}, cfg, {}, augment=False)
+    files = loader.dataset.im_files
+    n = min(cfg.quant.calib_batches, len(loader))
+    return [Path(files[i]).name for batch in seeded_indices(loader, n, cfg.seed) for i in batch]
 
 
 def controlled_quantizers(model: nn.Module, part: str) -> list[nn.Module]:

@@ -214,16 +214,16 @@ class ModelBench:
             runs = dict(zip(jobs, pool.map(one, jobs)))
         return {dtype: {s: r for (d, s), r in runs.items() if d == dtype} for dtype in dtypes}
 
-    def modelopt(self, ptq_choice: dict) -> dict:
+    def modelopt(self, samples: dict[str, list[str]]) -> dict:
         """Model Optimizer's ONNX INT8 PTQ of the float model, each method x seed, calibrated on the very images our
-        calibration of that seed used (count and identity), the DFL conv kept float as in ours."""
+        calibration of that seed used (`samples`: names per seed, in order), the DFL conv kept float as in ours."""
         b = self.bench
         fp_onnx = export(self._float_copy(), "fp32", b)
         jobs = [(m, s) for m in MODELOPT_METHODS for s in b.seeds]
 
         def one(job):
             m, s = job
-            files = ptq_choice[str(s)]["calibration_images"]
+            files = samples[str(s)]
             calib = calibration_array(self.split, files, b.imgsz, self.work / f"modelopt-calib-seed{s}.npy")
             q = self.work / f"modelopt-{m}-seed{s}" / "model.onnx"
             if not q.is_file():  # its own copy of the input: Model Optimizer writes intermediate files beside it
@@ -239,6 +239,60 @@ class ModelBench:
         with self.pool() as pool:
             runs = dict(zip(jobs, pool.map(one, jobs)))
         return {m: {str(s): runs[(m, s)] for s in b.seeds} for m in MODELOPT_METHODS}
+
+    def add_modelopt(self, entry: dict, samples: dict[str, list[str]], ours: Path | None = None) -> None:
+        """The peer's rows in `entry`, its choice on select, and the lint of our deployed graph beside its own (the
+        first seed's: its FP32 graph's, linted when measured, else exported from `ours`)."""
+        peer = self.modelopt(samples)
+        entry["modelopt"] = peer
+        entry["modelopt_choice"] = max(peer, key=lambda m: spread([r["select"]["ap"] for r in peer[m].values()])["mean"])
+        deployed = entry.get("ort", {}).get("fp32", {}).get(str(self.bench.seeds[0]))
+        if deployed is None and ours is None:
+            raise RuntimeError(f"{self.name}: the entry has no deployed graph of seed {self.bench.seeds[0]} to lint")
+        lint = deployed["lint"] if deployed else lint_summary(export(ours, "fp32", self.bench))
+        entry["ours_lint"] = {"graph": "delivered" if "qat" in entry else f"ptq-{entry['ptq_choice']}", **lint}
+
+    def add_peer(self) -> dict:
+        """Model Optimizer's PTQ added to this model's existing entry, whose run folders may be gone: each seed's
+        calibration images drawn again by qat.py's own sampler (no image read) and checked against the digest the
+        entry recorded; the entry's provenance gains where and by what this ran."""
+        b = self.bench
+        path = b.out / b.dataset / self.name / "entry.json"
+        if not path.is_file():
+            raise RuntimeError(f"--add-peer: {path} not found: run the benchmark first")
+        entry = json.loads(path.read_text())
+        prov, settings = entry["provenance"], entry["settings"]
+        if sha256(self.weights) != prov["weights_sha256"]:
+            raise RuntimeError(f"--add-peer: --models {self.name}={self.weights} is not the model of {path}")
+        if yaml_split(self.split)["fingerprint"] != prov["split"]["fingerprint"]:
+            raise RuntimeError(f"--add-peer: --data {b.data} splits into other images than {path} records")
+        given = {"seeds": list(b.seeds), "imgsz": b.imgsz, "batch_size": b.batch_size, "calib_batches": b.calib_batches}
+        made = {"seeds": prov["seeds"], **{k: settings[k] for k in ("imgsz", "batch_size", "calib_batches")}}
+        if given != made:
+            raise RuntimeError(f"--add-peer: the entry was made with {made}, this command gives {given}")
+        samples = {str(s): self._calibration_sample(s, entry["ptq"][entry["ptq_choice"]][str(s)]["calibration_sample"])
+                   for s in b.seeds}
+        self.add_modelopt(entry, samples)
+        prov["peer"] = {"commit": toolkit_commit(), "command": command_line(), "machine": machine()}
+        entry["summary"] = summarize(entry)
+        write_json(path, entry)
+        return entry
+
+    def _calibration_sample(self, seed: int, digest: str) -> list[str]:
+        import yaml
+        from models.checkpoint import load_float_model
+        from models.pipeline import RunConfig, calibration_sample
+        from models.quantize import QuantRecipe
+        from models.task import task_of
+        b = self.bench
+        cfg = RunConfig(str(self.weights), b.data, "", imgsz=b.imgsz, batch_size=b.batch_size, workers=0, seed=seed,
+                        quant=QuantRecipe(calib_batches=b.calib_batches))
+        task = task_of(load_float_model(str(self.weights), "cpu"))
+        names = calibration_sample(task, yaml.safe_load(self.split.read_text())["train"], cfg)
+        if sample_id(names) != digest:
+            raise RuntimeError(f"--add-peer: seed {seed}: the calibration sample drawn again is not the one the entry "
+                               "records (other --batch-size, --calib-batches or fit images?)")
+        return names
 
     def _float_copy(self) -> Path:
         copy = self.work / f"fp-{self.weights.name}"  # exports are written beside their .pt: not the user's folder
@@ -279,12 +333,7 @@ class ModelBench:
             if mixed:
                 entry["mixed"] = {s: public(r) for s, r in mixed.result().items()}
         if self.bench.modelopt:
-            peer = self.modelopt(ptq[choice])
-            entry["modelopt"] = peer
-            entry["modelopt_choice"] = max(peer, key=lambda m: spread([r["select"]["ap"] for r in peer[m].values()])
-                                           ["mean"])
-            entry["ours_lint"] = {"graph": "delivered" if "qat" in entry else f"ptq-{choice}",
-                                  **lint_summary(export(ours, "fp32", self.bench))}
+            self.add_modelopt(entry, {s: r["calibration_images"] for s, r in ptq[choice].items()}, ours)
         entry["summary"] = summarize(entry)
         write_json(self.bench.out / self.bench.dataset / self.name / "entry.json", entry)
         return entry
@@ -328,6 +377,9 @@ def parse_opt(argv=None):
     p.add_argument("--ort-seeds", type=int, default=None,
                    help="the first N seeds' delivered graphs measured in ONNX Runtime (default: every seed)")
     p.add_argument("--modelopt", action="store_true", help="also run NVIDIA Model Optimizer's ONNX PTQ")
+    p.add_argument("--add-peer", action="store_true",
+                   help="only add Model Optimizer's PTQ to each model's existing entry (its run folders may be gone): "
+                        "the entry's command with --add-peer")
     p.add_argument("--max-loss", type=float, default=None,
                    help="also run the default command with this mixed-precision budget (qat.py quantize --max-loss)")
     p.add_argument("--ablation", nargs="*", choices=sorted(ABLATION), default=None, metavar="VARIANT",
@@ -350,8 +402,9 @@ def parse_opt(argv=None):
         p.error(f"--data {opt.data}: file not found")
     if len(set(opt.seeds)) < len(opt.seeds):
         p.error(f"--seeds {' '.join(map(str, opt.seeds))}: repeated")
-    if opt.modelopt and importlib.util.find_spec("modelopt") is None:
-        p.error("--modelopt: nvidia-modelopt is not installed (./install_dependencies.sh --modelopt)")
+    if (opt.modelopt or opt.add_peer) and importlib.util.find_spec("modelopt") is None:
+        p.error(f"{'--add-peer' if opt.add_peer else '--modelopt'}: nvidia-modelopt is not installed "
+                "(./install_dependencies.sh --modelopt)")
     if opt.check and not opt.render:
         p.error("--check goes with --render")
     return opt
@@ -376,7 +429,8 @@ def main(argv=None) -> int:
     ablation = () if opt.ablation is None else tuple(opt.ablation) or tuple(ABLATION)
     for name, weights in opt.models.items():
         try:
-            entry = ModelBench(bench, name, Path(weights)).run(ablation)
+            model = ModelBench(bench, name, Path(weights))
+            entry = model.add_peer() if opt.add_peer else model.run(ablation)
         except RuntimeError as e:  # a step that failed (its log's tail), or a folder of another run: no traceback
             print(f"benchmark_accuracy: error: {e}", file=sys.stderr)
             return 1

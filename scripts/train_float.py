@@ -230,11 +230,13 @@ def train(opt) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         record_start(run_dir, split_yaml)
         args = ["--resume", str(last)] if last.is_file() else train_args(opt, split_yaml)
-        started = time.monotonic()
-        r = subprocess.run([*start, *args])
-        record_session(run_dir, time.monotonic() - started, r.returncode)
-        if r.returncode:
-            raise ValueError(f"{opt.train_script} exited with {r.returncode}")
+        started, returncode = time.monotonic(), "interrupted"
+        try:  # a session cut off (a lease's time limit) is recorded too: its epochs count in the total
+            returncode = subprocess.run([*start, *args]).returncode
+        finally:
+            record_session(run_dir, time.monotonic() - started, returncode)
+        if returncode:
+            raise ValueError(f"{opt.train_script} exited with {returncode}")
     return collect(run_dir, Path(opt.out), opt.weights_out, opt.reparameterize)
 
 

@@ -69,7 +69,7 @@ def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data
     one process loads in 2 workers and the ranks in none (each item's augmentation is seeded by its index); a new pass
     over the images gets a new order and new augmentations."""
     from models.task import DETECT
-    from utils.batches import SeededItems, load_data, load_hyp, seeded_batches, seeded_rank_loader
+    from utils.batches import SeededItems, load_data, load_hyp, seeded_batches, seeded_indices, seeded_rank_loader
     data, hyp = load_data(demo_data), load_hyp(CHECKOUT / "data" / "hyps" / "hyp.scratch-high.yaml")
 
     def loader(batch_size, workers):
@@ -84,6 +84,10 @@ def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data
     assert [sum(len(b.paths) for b in shares) for shares in ranks] == [2 * steps, 2 * steps]  # each its share only
     assert [r0.paths + r1.paths for r0, r1 in zip(*ranks)] == [b.paths for b in one]
     assert not set(ranks[0][0].paths) & set(ranks[1][0].paths)
+    # the same sample drawn again from the sampler alone, no image loaded (a calibration sample whose record is lost)
+    made = seeded_rank_loader(loader(4, 2), 1, 0)
+    files = made.dataset.im_files
+    assert [tuple(files[i] for i in b) for b in seeded_indices(made, steps, seed=7)] == [b.paths for b in one]
     for r0, r1, b in zip(*ranks, one):
         assert torch.equal(torch.cat([r0.images, r1.images]), b.images)
     again = {p: im for b in one[6:] for p, im in zip(b.paths, b.images)}  # the second pass

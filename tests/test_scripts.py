@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 import json
 import subprocess
 import sys
@@ -157,6 +158,13 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights
     samples = [json.loads((work / "demo" / "gelan-t" / f"ptq-max-seed{s}" / "report.json").read_text())
                ["calibration_images"] for s in (0, 1)]
     assert all(set(names) <= fit for names in samples) and samples[0] != samples[1]
+    from models.pipeline import RunConfig, calibration_sample
+    from models.quantize import QuantRecipe
+    from models.task import DETECT
+    for seed, names in enumerate(samples):  # drawn again from the sampler alone, as --add-peer does
+        cfg = RunConfig(str(gelan_t_weights), str(demo_data), "", imgsz=IMGSZ, batch_size=4, workers=0, seed=seed,
+                        quant=QuantRecipe(calib_batches=1))
+        assert calibration_sample(DETECT, work / "demo" / "split" / "fit.txt", cfg) == names
     for kind in ("qat", "fp_ft"):
         assert set(e[kind]) == {"0", "1"} and all(r["best_epoch"] == 1 for r in e[kind].values())
     assert e["qat"]["0"]["recipe"]["distill"] == "head"
@@ -188,6 +196,21 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights
     if modelopt:  # the peer calibrated on the very images ours did, and its joins are counted by our lint
         assert e["modelopt"]["max"]["1"]["calibration_sample"] == e["ptq"][e["ptq_choice"]]["1"]["calibration_sample"]
         assert e["modelopt"]["max"]["0"]["lint"]["unshared_joins"] > 0 == e["ours_lint"]["unshared_joins"]
+        # added to an entry made without it, its run folders gone: the same peer, its provenance recorded
+        bare = {k: v for k, v in e.items() if k not in ("modelopt", "modelopt_choice", "ours_lint")}
+        (out / "demo" / "gelan-t" / "entry.json").write_text(json.dumps(bare))
+        gone = tmp_path / "gone"
+        shutil.move(work / "demo" / "gelan-t", gone)
+        r = run_cli("scripts/benchmark_accuracy.py", *[a for a in args if a not in ("--modelopt",)], "--add-peer")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        added = json.loads((out / "demo" / "gelan-t" / "entry.json").read_text())
+        assert {m: {s: v["val"] for s, v in runs.items()} for m, runs in added["modelopt"].items()} == \
+            {m: {s: v["val"] for s, v in runs.items()} for m, runs in e["modelopt"].items()}
+        assert added["ours_lint"] == e["ours_lint"], (added["ours_lint"], e["ours_lint"])
+        assert added["provenance"]["peer"]["command"].endswith("--add-peer")
+        shutil.rmtree(work / "demo" / "gelan-t")
+        shutil.move(gone, work / "demo" / "gelan-t")
+        (out / "demo" / "gelan-t" / "entry.json").write_text(json.dumps(e))
     assert "final_file" not in json.dumps(e) and "calibration_images" not in json.dumps(e)  # no machine-local paths
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results", "work"]  # nothing beside --out and --work
     again = call_cli("scripts/benchmark_accuracy.py", *args)

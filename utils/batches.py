@@ -102,19 +102,42 @@ def seeded_batches(loader, device: torch.device, n: int, seed: int) -> Iterator[
     workers or processes either): an epoch seeded by (run seed, epoch) is the same whether or not the run was
     interrupted and resumed before it, and a calibration sample is chosen by the run's seed. A pass over the images
     ends before `n` batches: the next pass has a new order and new augmentations."""
+    init_seeds(seed, deterministic=False)  # draws in this process, outside the items
+    for batch in _seeded_passes(loader, n, seed):
+        masks = batch[4] if len(batch) > 4 else None
+        yield Batch(batch[0].to(device, non_blocking=True).float() / 255, batch[1], masks, tuple(batch[2]))
+
+
+def seeded_indices(loader, n: int, seed: int) -> list[list[int]]:
+    """The dataset indices of the `n` batches `seeded_batches(loader, ..., n, seed)` yields, no image loaded: the
+    same sampler over an index list, drawing from the same generator as the loader does (a sample whose record
+    is lost is drawn again, e.g. for a peer calibrating on the same images)."""
+    indices = torch.utils.data.DataLoader(_Indices(loader.dataset), batch_sampler=loader.batch_sampler,
+                                          generator=loader.generator, collate_fn=list)
+    return list(_seeded_passes(indices, n, seed))
+
+
+class _Indices(SeededItems):
+    """The positions of a seeded dataset's items, for drawing orders without loading them."""
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def _seeded_passes(loader, n: int, seed: int) -> Iterator:
+    """The first `n` batches of `loader` over as many passes as it takes, every order drawn from its generator
+    seeded once by `seed`, each pass's augmentations from (seed, pass)."""
     if not isinstance(loader.dataset, SeededItems):
         raise TypeError("seeded_batches reads a seeded_rank_loader (a plain loader's augmentations would depend on "
                         "its workers)")
     if len(loader) == 0:
         raise ValueError("the loader has no batch: fewer images than one batch")
-    init_seeds(seed, deterministic=False)  # draws in this process, outside the items
     loader.generator.manual_seed(seed)  # the order of every pass
     made, passes = 0, 0
     while made < n:
         loader.dataset.stream = (seed, passes)
         for batch in loader:
-            masks = batch[4] if len(batch) > 4 else None
-            yield Batch(batch[0].to(device, non_blocking=True).float() / 255, batch[1], masks, tuple(batch[2]))
+            yield batch
             made += 1
             if made == n:
                 return

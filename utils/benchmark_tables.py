@@ -105,10 +105,12 @@ def model_table(e: dict) -> str:
         chosen = " (chosen on select)" if m == e.get("modelopt_choice") else ""
         rows.append((f"Model Optimizer ONNX PTQ {m}{chosen}", v,
                      fmt(spread([r["select"]["ap"] for r in e["modelopt"][m].values()]))))
-    machine_ = e["provenance"]["machine"]
-    lines = [f"**{e['model']}** on {e['dataset']} ({e['provenance']['split']['images']['val']} val images, "
-             f"imgsz {e['imgsz']}; {seeds} seeds; {machine_['gpu'] or 'CPU: ' + machine_['cpu']}; commit "
-             f"{_commit(e['provenance']['commit'])})", "",
+    prov = e["provenance"]
+    peer = f"; Model Optimizer rows added later on {_where(prov['peer']['machine'])}, commit " \
+           f"{_commit(prov['peer']['commit'])}" if "peer" in prov else ""
+    lines = [f"**{e['model']}** on {e['dataset']} ({prov['split']['images']['val']} val images, "
+             f"imgsz {e['imgsz']}; {seeds} seeds; {_where(prov['machine'])}; commit {_commit(prov['commit'])}{peer})",
+             "",
              "| Stage | mAP50-95 val, mean ± std (seeds) | mAP50-95 select |", "|---|---|---|"]
     lines += [f"| {name} | {fmt(v)} | {sel} |" for name, v, sel in rows]
     claims = [("Quantization cost (delivered - its FP control)", s.get("quantization_cost")),
@@ -131,6 +133,10 @@ def model_table(e: dict) -> str:
     return "\n".join(lines)
 
 
+def _where(machine: dict) -> str:
+    return machine["gpu"] or "CPU: " + machine["cpu"]
+
+
 def _commit(commit: str) -> str:
     """A short commit, marked where the run's working tree held changes beyond it."""
     return commit[:10] + (" with uncommitted changes" if commit.endswith("-dirty") else "")
@@ -146,8 +152,11 @@ def training_table(out: Path) -> str:
         plateau = "" if not end or end["noise"] is None else \
             f"; last {end['window']}: rise {end['rise']:+.4f}, noise {end['noise']:.4f}"
         gpus = re.search(r"--nproc-per-node (\d+)", start["command"])
-        seconds = f"{t['train_seconds'] / 60:.1f} min" if t.get("train_seconds") else "not recorded"
-        rows.append(f"| {f.parts[-4]} | {t['model']} | {t['epochs_run']} of {t['max_epochs']} | {t['best_epoch']} | "
+        sessions = start.get("sessions") or [{}]
+        # a total only where the training ended in a recorded session (older scripts did not record cut-off ones)
+        seconds = f"{t['train_seconds'] / 60:.1f} min" if t.get("train_seconds") and sessions[-1].get("exit") == 0 \
+            else "not recorded"
+        rows.append(f"| {f.parts[-4]} | {f.parts[-3]} | {t['epochs_run']} of {t['max_epochs']} | {t['best_epoch']} | "
                     f"{t['best_select_map']:.4f} | {'yes' if t['converged'] else 'no'} ({since}{plateau}) | "
                     f"{seconds} | {gpus[1] if gpus else 1} x {start['machine']['gpu']} | "
                     f"[curve](../{f.parent.relative_to(out.parent)}/curve.png) |")
