@@ -168,34 +168,38 @@ def measure_candidates(model: nn.Module, candidates: list[Candidate], score: Cal
 
 
 def choose_float_set(model: nn.Module, candidates: list[Candidate], plan: MixedPrecision, origin: float, ptq: float,
-                     score: Callable[[str], float], run: Callable[[], dict[str, torch.Tensor]]) -> dict:
+                     measure: Callable[[str], dict], score: Callable[[dict], float],
+                     run: Callable[[], dict[str, torch.Tensor]]) -> tuple[dict, dict | None]:
     """The candidates to keep in float (see the module's docstring) and the record of the choice: the budget, the
-    candidates measured and their costs, the sets tried, and whether the budget was reached."""
+    candidates measured and their costs, the sets tried, and whether the budget was reached; with the select
+    metrics of the set kept (`measure`'s, already taken: None where nothing is kept)."""
     t0 = time.perf_counter()
     target = origin - plan.max_loss
     record = {"max_loss": plan.max_loss, "origin_select": origin, "all_int8_select": ptq, "candidates": len(candidates)}
     if ptq >= target:
         return {**record, "reached": True, "kept_float": [], "mixed_select": ptq, "measured": {}, "tried": [],
-                "seconds": round(time.perf_counter() - t0, 2)}
+                "seconds": round(time.perf_counter() - t0, 2)}, None
     all_int8_error, errors = rank_by_output_error(run, model, candidates)
     ranked = sorted(candidates, key=lambda c: errors[c.name])[:plan.measured]
-    costs = measure_candidates(model, ranked, score, ptq)
+    costs = measure_candidates(model, ranked, lambda desc: score(measure(desc)), ptq)
     gainful = sorted((c for c in ranked if costs[c.name] > 0), key=lambda c: costs[c.name] / c.macs, reverse=True)
-    best, chosen, tried = (ptq, []), [], []
+    best, chosen, tried = (ptq, [], None), [], []
     for c in gainful:
         chosen.append(c)
         with kept_float(model, chosen):
-            s = score(f"{len(chosen)} tensor class(es) in float")
+            metrics = measure(f"{len(chosen)} tensor class(es) in float")
+        s = score(metrics)
         tried.append({"kept_float": [x.name for x in chosen], "select": s})
         if s > best[0]:
-            best = (s, list(chosen))
+            best = (s, list(chosen), metrics)
         if s >= target:
             break
     return {**record, "reached": best[0] >= target, "kept_float": [asdict(c) | {"cost": costs[c.name]}
                                                                    for c in best[1]],
             "mixed_select": best[0], "measured": {c.name: {"cost": costs[c.name], "output_error": errors[c.name]}
                                                   for c in ranked},
-            "tried": tried, "output_error_all_int8": all_int8_error, "seconds": round(time.perf_counter() - t0, 2)}
+            "tried": tried, "output_error_all_int8": all_int8_error,
+            "seconds": round(time.perf_counter() - t0, 2)}, best[2]
 
 
 def deployment_summary(model: nn.Module, imgsz: int) -> dict:

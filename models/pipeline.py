@@ -356,18 +356,18 @@ class QuantizeRun:
         now delivered as the PTQ stage."""
         cfg, inputs, world, task = self.cfg, self.inputs, self.inputs.world, self.inputs.task
         candidates = float_candidates(model, cfg.imgsz)
-        record = None
+        record, mixed = None, None
         if world.main:
             ptq = ptq or self.measure(model, "PTQ (all INT8)")
             images = next(iter(inputs.select))[0].float().div(255).to(inputs.device)
-            record = choose_float_set(model, candidates, MixedPrecision(cfg.max_loss), task.score(origin),
-                                      task.score(ptq), lambda desc: task.score(self.measure(model, desc)),
-                                      lambda: TorchRunner(model)(images))
+            record, mixed = choose_float_set(model, candidates, MixedPrecision(cfg.max_loss), task.score(origin),
+                                             task.score(ptq), lambda desc: self.measure(model, desc), task.score,
+                                             lambda: TorchRunner(model)(images))
         record = world.broadcast(record)
         kept = {c["name"] for c in record["kept_float"]}
         keep_float(model, [c for c in candidates if c.name in kept])
-        if kept:
-            ptq = self.measure(model, f"PTQ with {len(kept)} tensor class(es) in float")
+        if kept:  # measured while choosing (rank 0; the others hold None, as from measure)
+            ptq = mixed
         if world.main:
             record.update(deployment_summary(model, cfg.imgsz))
         self.report["mixed_precision"] = record

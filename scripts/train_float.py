@@ -141,21 +141,23 @@ def reparameterize(weights: Path, data_yaml: str, model: str) -> dict:
     return {"command": " ".join(cmd[1:]), "weights": str(save), "weights_sha256": sha256(save)}
 
 
-def collect(run_dir: Path, out: Path, weights_out: Path | None, reparameterize_as: str | None = None) -> dict:
-    """OUT/results.csv, curve.png and train.json (and the FP16 EMA weights) from the run folder as it stands."""
+def collect(run_dir: Path, out: Path, model: str, weights_out: Path | None, reparameterize_as: str | None = None
+            ) -> dict:
+    """OUT/results.csv, curve.png and train.json (and the FP16 EMA weights) from the run folder as it stands.
+    `model`: its name (upstream's opt.yaml of a resumed run has no cfg)."""
     import yaml
     args = yaml.safe_load((run_dir / "opt.yaml").read_text())
     curve = read_curve(run_dir / "results.csv")
     conv = convergence(curve, int(args["patience"]))
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "results.csv", lambda tmp: shutil.copyfile(run_dir / "results.csv", tmp))
-    plot_curve(curve, conv, f"{Path(args['cfg']).stem}: float training, select split", out / "curve.png")
+    plot_curve(curve, conv, f"{model}: float training, select split", out / "curve.png")
     best = run_dir / "weights" / "best.pt"
     if weights_out is not None:
         compact_weights(best, weights_out)
     converted = reparameterize(weights_out, args["data"], reparameterize_as) if reparameterize_as else None
     started = json.loads((run_dir / PROVENANCE).read_text())
-    entry = {"model": Path(args["cfg"]).stem, "finished": conv["converged"] or conv["epochs_run"] >= args["epochs"],
+    entry = {"model": model, "finished": conv["converged"] or conv["epochs_run"] >= args["epochs"],
              **conv, "patience": args["patience"], "max_epochs": args["epochs"],
              "train_seconds": round(sum(r["seconds"] for r in started.get("sessions", [])), 1),
              "started": started,
@@ -225,7 +227,13 @@ def train(opt) -> dict:
     if not opt.collect and done.is_file() and json.loads(done.read_text())["finished"]:
         print(f"train_float: {done} says this training finished; nothing to do (--collect rewrites it)")
         return json.loads(done.read_text())
-    if not opt.collect:
+    results = run_dir / "results.csv"
+    # every epoch ran but the session ended before train.json (cut off in upstream's final validation, say):
+    # upstream's --resume of a finished schedule fails, and nothing is left to train
+    ran_all = results.is_file() and len(read_curve(results)) >= opt.epochs
+    if ran_all and not opt.collect:
+        print(f"train_float: {results} holds all {opt.epochs} epochs; collecting")
+    if not (opt.collect or ran_all):
         last = run_dir / "weights" / "last.pt"
         run_dir.mkdir(parents=True, exist_ok=True)
         record_start(run_dir, split_yaml)
@@ -237,7 +245,7 @@ def train(opt) -> dict:
             record_session(run_dir, time.monotonic() - started, returncode)
         if returncode:
             raise ValueError(f"{opt.train_script} exited with {returncode}")
-    return collect(run_dir, Path(opt.out), opt.weights_out, opt.reparameterize)
+    return collect(run_dir, Path(opt.out), Path(opt.cfg).stem, opt.weights_out, opt.reparameterize)
 
 
 def main(argv=None) -> int:

@@ -87,6 +87,11 @@ def _scored(model, candidates, gains, base):
     return score
 
 
+def _measured(score):
+    """choose_float_set's measure and score from a score of the description: metrics {"ap": score}."""
+    return {"measure": lambda desc: {"ap": score(desc)}, "score": lambda metrics: metrics["ap"]}
+
+
 def test_choose_keeps_the_cheapest_set_that_reaches_the_budget(ptq_model):
     """Candidates added most mAP per MAC first, measuring the growing set, until the budget is met; unreachable: the
     best set found, said so; already within: nothing measured. Costs are what the candidate alone gains."""
@@ -99,21 +104,22 @@ def test_choose_keeps_the_cheapest_set_that_reaches_the_budget(ptq_model):
     assert by_mac[-1].macs > 1.5 * by_mac[0].macs
     gains = [0.004 if c is by_mac[0] else 0.006 if c is by_mac[-1] else -0.001 for c in candidates]
     plan = MixedPrecision(max_loss=0.001, measured=4)
-    record = choose_float_set(model, candidates, plan, origin=0.5, ptq=0.495, score=_scored(model, candidates, gains,
-                                                                                           0.495), run=run)
+    record, mixed = choose_float_set(model, candidates, plan, origin=0.5, ptq=0.495,
+                                     **_measured(_scored(model, candidates, gains, 0.495)), run=run)
     assert record["reached"] and [c["name"] for c in record["kept_float"]] == [by_mac[0].name]
+    assert mixed["ap"] == record["mixed_select"]  # the kept set's metrics, as measured while choosing
     assert record["kept_float"][0]["cost"] == pytest.approx(0.004) and record["mixed_select"] == pytest.approx(0.499)
     assert len(record["measured"]) == 4 and not any(model.get_submodule(c.name)._disabled for c in candidates)
-    record = choose_float_set(model, candidates, MixedPrecision(max_loss=0.0, measured=4), origin=0.51, ptq=0.495,
-                              score=_scored(model, candidates, gains, 0.495), run=run)
+    record, mixed = choose_float_set(model, candidates, MixedPrecision(max_loss=0.0, measured=4), origin=0.51,
+                                     ptq=0.495, **_measured(_scored(model, candidates, gains, 0.495)), run=run)
     assert not record["reached"] and [t["kept_float"] for t in record["tried"]] == [
         [by_mac[0].name], [by_mac[0].name, by_mac[-1].name]]  # only the gainful ones, the most per MAC first
     assert {c["name"] for c in record["kept_float"]} == {by_mac[0].name, by_mac[-1].name}
-    assert record["mixed_select"] == pytest.approx(0.505)
+    assert record["mixed_select"] == pytest.approx(0.505) == mixed["ap"]  # the kept set's metrics
     calls = []
-    record = choose_float_set(model, candidates, plan, origin=0.5, ptq=0.4995,
-                              score=lambda d: calls.append(d) or 0.0, run=run)
-    assert record["reached"] and record["kept_float"] == [] and calls == []
+    record, mixed = choose_float_set(model, candidates, plan, origin=0.5, ptq=0.4995,
+                                     **_measured(lambda d: calls.append(d) or 0.0), run=run)
+    assert record["reached"] and record["kept_float"] == [] and calls == [] and mixed is None
 
 
 def test_quantize_max_loss_names_float_layers_and_exports_clean(demo_data320, tmp_path):

@@ -330,6 +330,44 @@ def test_published_results_are_what_their_json_renders_to():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
 
+def test_float_training_records_a_cut_off_session_and_collects_a_finished_one(demo_data, tmp_path, monkeypatch):
+    """scripts/train_float.py across leases: a session cut off by a time limit is recorded (its time counts), and a
+    run whose every epoch ran, cut off before train.json, is collected instead of resumed (upstream's --resume of a
+    finished schedule fails); train.json names the model from --cfg (a resumed run's opt.yaml has no cfg)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_float", REPO / "scripts" / "train_float.py")
+    tf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tf)
+    run_dir = tmp_path / "train" / "n"
+    run_dir.mkdir(parents=True)
+    (run_dir / "opt.yaml").write_text(yaml.safe_dump({"cfg": "", "data": str(demo_data), "patience": 30, "epochs": 3}))
+    header = ["epoch", tf.MAP, tf.MAP50]
+    rows = lambda n: "\n".join([",".join(f"{h:>20}" for h in header)] +  # noqa: E731
+                                [f"{i},{0.3 + 0.01 * i},{0.5 + 0.01 * i}" for i in range(n)]) + "\n"
+    (run_dir / "results.csv").write_text(rows(2))
+    opt = tf.parse_opt(["--data", str(demo_data), "--cfg", "models/detect/gelan-t.yaml", "--name", "n", "--out",
+                        str(tmp_path / "out"), "--epochs", "3", "--project", str(tmp_path / "train"), "--split-dir",
+                        str(tmp_path / "split")])
+
+    started, run = [], subprocess.run
+
+    def cut_off(cmd, *args, **kwargs):  # upstream's train.py stopped by a lease's time limit (git runs as it is)
+        if "train.py" not in cmd:
+            return run(cmd, *args, **kwargs)
+        started.append(cmd)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(tf.subprocess, "run", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        tf.train(opt)
+    sessions = json.loads((run_dir / tf.PROVENANCE).read_text())["sessions"]
+    assert [s["exit"] for s in sessions] == ["interrupted"] and sessions[0]["seconds"] >= 0
+    (run_dir / "results.csv").write_text(rows(3))  # the last epoch ran, then the session ended
+    entry = tf.train(opt)
+    assert len(started) == 1 and started[0][-1] != "--resume"  # nothing started again
+    assert entry["epochs_run"] == 3 and entry["model"] == "gelan-t" and entry["finished"]
+    assert json.loads((tmp_path / "out" / "train.json").read_text())["started"]["sessions"] == sessions
+
+
 def test_float_training_converges_on_a_plateau_not_on_a_climb():
     """scripts/train_float.py's convergence rule on select curves: a curve still climbing at its end is not
     converged although its best is its last epoch; one that ends flat within its own evaluation noise is, even
