@@ -270,7 +270,11 @@ class ModelBench:
         made = {"seeds": prov["seeds"], **{k: settings[k] for k in ("imgsz", "batch_size", "calib_batches")}}
         if given != made:
             raise RuntimeError(f"--add-peer: the entry was made with {made}, this command gives {given}")
-        samples = {str(s): self._calibration_sample(s, entry["ptq"][entry["ptq_choice"]][str(s)]["calibration_sample"])
+        from models.checkpoint import load_float_model
+        from models.task import task_of
+        task = task_of(load_float_model(str(self.weights), "cpu"))  # once: the sampler only needs the task's loader
+        samples = {str(s): self._calibration_sample(task, s,
+                                                    entry["ptq"][entry["ptq_choice"]][str(s)]["calibration_sample"])
                    for s in b.seeds}
         self.add_modelopt(entry, samples)
         prov["peer"] = {"commit": toolkit_commit(), "command": command_line(), "machine": machine()}
@@ -278,16 +282,13 @@ class ModelBench:
         write_json(path, entry)
         return entry
 
-    def _calibration_sample(self, seed: int, digest: str) -> list[str]:
+    def _calibration_sample(self, task, seed: int, digest: str) -> list[str]:
         import yaml
-        from models.checkpoint import load_float_model
         from models.pipeline import RunConfig, calibration_sample
         from models.quantize import QuantRecipe
-        from models.task import task_of
         b = self.bench
         cfg = RunConfig(str(self.weights), b.data, "", imgsz=b.imgsz, batch_size=b.batch_size, workers=0, seed=seed,
                         quant=QuantRecipe(calib_batches=b.calib_batches))
-        task = task_of(load_float_model(str(self.weights), "cpu"))
         names = calibration_sample(task, yaml.safe_load(self.split.read_text())["train"], cfg)
         if sample_id(names) != digest:
             raise RuntimeError(f"--add-peer: seed {seed}: the calibration sample drawn again is not the one the entry "
