@@ -115,6 +115,9 @@ def _measurement_flags(q):
     q.add_argument("--float-epochs", type=int, default=0,
                    help="the first N of --epochs fine-tune in float (one learning-rate schedule), then the ranges are "
                         "calibrated anew and QAT continues from that PTQ model")
+    q.add_argument("--save-candidates", action="store_true",
+                   help="also save each calibration candidate's PTQ model (weights/ptq_<candidate>_<stem>.pt), as "
+                        "measured on select, to measure it on other images")
     q.add_argument("--no-share-rules", action="store_true",
                    help="no TensorRT scale sharing (the export gets reformat layers in TensorRT)")
 
@@ -181,7 +184,8 @@ def build(flags: dict) -> tuple[str, RunConfig, OutputDir, list[str]]:
     cfg = RunConfig(quant=quant, qat=qat, nms=nms, select=select, epochs=flags.pop("epochs", 0), iters=flags.pop("iters", 0),
                     control=flags.pop("float_control", None) or "", max_loss=flags.pop("max_loss", None),
                     eval_origin=not flags.pop("no_eval_origin", False),
-                    eval_ptq=not flags.pop("no_eval_ptq", False), hyp=flags.pop("hyp", str(ROOT / DEFAULT_HYP)),
+                    eval_ptq=not flags.pop("no_eval_ptq", False), save_candidates=flags.pop("save_candidates", False),
+                    hyp=flags.pop("hyp", str(ROOT / DEFAULT_HYP)),
                     **flags)
     return cmd, cfg, out, skip
 

@@ -8,8 +8,10 @@ consistent Q/DQ graph whose float convs TensorRT runs in FP16.
 `qat.py quantize --max-loss X` chooses on the select split, after PTQ calibration (models/pipeline.py):
 1. rank every candidate by how much of the PTQ model's output error (against the float model, on one batch of
    select images) goes away with that candidate alone in float: one forward pass each, no evaluation;
-2. measure the `measured` highest-ranked ones on select, each alone in float (its cost: select mAP gained);
-3. add them, most mAP per FLOP first, measuring the growing set, until PTQ is within X of the float model.
+2. measure `measured` of them on select, each alone in float (its cost: select mAP gained): half the ones that
+   remove the most error per MAC (the cheap wins), half the ones that remove the most error at all (what a budget
+   out of the cheap ones' reach needs);
+3. add them, most mAP per MAC first, measuring the growing set, until PTQ is within X of the float model.
 If no set reaches X, the best set found is kept and the report says so. `qat.py sensitive` measures every
 candidate the same way (step 2 over all of them).
 """
@@ -167,6 +169,19 @@ def measure_candidates(model: nn.Module, candidates: list[Candidate], score: Cal
     return costs
 
 
+def shortlist(candidates: list[Candidate], reduction: dict[str, float], n: int) -> list[Candidate]:
+    """`n` candidates to measure: alternately the next best by output error removed per MAC and by output error
+    removed, each once."""
+    per_mac = sorted(candidates, key=lambda c: reduction[c.name] / max(c.macs, 1), reverse=True)
+    overall = sorted(candidates, key=lambda c: reduction[c.name], reverse=True)
+    picked: dict[str, Candidate] = {}
+    for a, b in zip(per_mac, overall):
+        for c in (a, b):
+            if len(picked) < n:
+                picked.setdefault(c.name, c)
+    return list(picked.values())
+
+
 def choose_float_set(model: nn.Module, candidates: list[Candidate], plan: MixedPrecision, origin: float, ptq: float,
                      measure: Callable[[str], dict], score: Callable[[dict], float],
                      run: Callable[[], dict[str, torch.Tensor]]) -> tuple[dict, dict | None]:
@@ -180,7 +195,7 @@ def choose_float_set(model: nn.Module, candidates: list[Candidate], plan: MixedP
         return {**record, "reached": True, "kept_float": [], "mixed_select": ptq, "measured": {}, "tried": [],
                 "seconds": round(time.perf_counter() - t0, 2)}, None
     all_int8_error, errors = rank_by_output_error(run, model, candidates)
-    ranked = sorted(candidates, key=lambda c: errors[c.name])[:plan.measured]
+    ranked = shortlist(candidates, {c.name: all_int8_error - errors[c.name] for c in candidates}, plan.measured)
     costs = measure_candidates(model, ranked, lambda desc: score(measure(desc)), ptq)
     gainful = sorted((c for c in ranked if costs[c.name] > 0), key=lambda c: costs[c.name] / c.macs, reverse=True)
     best, chosen, tried = (ptq, [], None), [], []

@@ -25,6 +25,7 @@ import json
 import math
 import re
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
@@ -80,6 +81,7 @@ class RunConfig:
     nms: NMSConfig = field(default_factory=NMSConfig)
     eval_origin: bool = True
     eval_ptq: bool = True
+    save_candidates: bool = False     # every calibration candidate's PTQ model saved (the benchmark measures each)
     trust_checkpoint: bool = False
 
     def __post_init__(self):
@@ -300,7 +302,7 @@ class QuantizeRun:
         insert_s = time.perf_counter() - t0
         # the full control disables every quantizer: its ranges are never used, one cheap candidate is enough
         recipe = replace(cfg.quant, calib_method="max") if cfg.control == "all" else cfg.quant
-        calibration, results, seen = self.calibrate_ranges(model, recipe, "PTQ")
+        calibration, results, seen = self.calibrate_ranges(model, recipe, "PTQ", cfg.save_candidates)
         calibration["seconds"] = {"insert_quantizers": round(insert_s, 2), **calibration["seconds"]}
         report["calibration"] = {
             "method": "max (control: quantizers disabled)" if cfg.control == "all" else cfg.quant.calib_method,
@@ -321,11 +323,12 @@ class QuantizeRun:
         inputs.world.barrier()
         return model
 
-    def calibrate_ranges(self, model: nn.Module, recipe: QuantRecipe, what: str
+    def calibrate_ranges(self, model: nn.Module, recipe: QuantRecipe, what: str, save_candidates: bool = False
                          ) -> tuple[dict, dict[str, dict | None], list[str]]:
         """Statistics of the calibration images (the run's seeded sample of the fit images, the same every time),
-        every candidate range measured on select and the best applied. Returns the record for report.json, every
-        candidate's metrics and the calibration images' names, in one process's order. Every rank calls it."""
+        every candidate range measured on select and the best applied (with `save_candidates`, each candidate's
+        model saved as it was measured). Returns the record for report.json, every candidate's metrics and the
+        calibration images' names, in one process's order. Every rank calls it."""
         cfg, inputs, world = self.cfg, self.inputs, self.inputs.world
         loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=False, world=world)
         n = min(recipe.calib_batches, len(loader))  # global batches: each rank loads its share of each
@@ -335,19 +338,31 @@ class QuantizeRun:
         stats = collect_statistics(model, recipe, progress, world)
         t1 = time.perf_counter()
         names, task = list(stats.candidates), inputs.task
+        saved: dict[str, str] = {}
+
+        def measure(name: str) -> dict | None:
+            metrics = self.measure(model, f"{what} {name}")
+            if save_candidates:  # each candidate's model, for measuring it elsewhere (--save-candidates)
+                f = self.weights_dir / f"ptq_{name}_{self.stem}.pt"
+                saved[name] = str(self.save(model, f, stage="ptq", candidate=name, metrics=metrics))
+            return metrics
         if len(names) > 1:
-            chosen, results = choose_calibration(stats.apply, lambda name: self.measure(model, f"{what} {name}"),
-                                                 task.score, names, world.broadcast)
+            chosen, results = choose_calibration(stats.apply, measure, task.score, names, world.broadcast)
         else:
             chosen = names[0]
             stats.apply(chosen)
-            results = {chosen: self.measure(model, f"{what} {chosen}") if cfg.eval_ptq else None}
+            results = {chosen: measure(chosen) if cfg.eval_ptq else None}
         scores = {k: None if v is None else round(task.score(v), 6) for k, v in results.items()}
         # a peer calibrates on the same images: batch by batch, rank by rank
         seen = [Path(f).name for batch in zip(*world.all_gather(seen)) for share in batch for f in share]
         record = {"chosen": chosen, "candidates": scores, "images": len(seen),
                   "seconds": {"collect": round(stats.collect_s, 2), "ranges": stats.amax_s,
                               "ranges_and_evaluations": round(time.perf_counter() - t1, 2)}}
+        if saved:
+            record["saved"] = {k: {"file": f, "metrics": results[k]} for k, f in saved.items()}
+        if stats.per_quantizer:  # what each quantizer took in the per-quantizer candidate
+            record["per_quantizer"] = {"images": len(stats.images), "methods": stats.per_quantizer,
+                                       "counts": dict(Counter(stats.per_quantizer.values()).most_common())}
         return record, results, seen
 
     def mix(self, model: nn.Module, origin: dict | None, ptq: dict | None) -> dict | None:

@@ -36,13 +36,16 @@ from pytorch_quantization.tensor_quant import QuantDescriptor
 from models.calibrate import AMAX_METHODS, HistogramCollector
 from models.distributed import World, combine_statistics
 from models.common import AConv, ADown, Concat, RepNBottleneck
+from models.quantize_ranges import PER_QUANTIZER, SEARCH_IMAGES, search
 
-CALIB_METHODS = ("auto",) + AMAX_METHODS
-# What `auto` measures: every method, the percentile at the three values TensorRT users commonly take.
-AUTO_CANDIDATES: dict[str, tuple[str, float | None]] = {
+CALIB_METHODS = ("auto",) + AMAX_METHODS + (PER_QUANTIZER,)
+# What `auto` measures: every method, the percentile at the three values TensorRT users commonly take, and each
+# quantizer's pick among those by the error where it is read (models/quantize_ranges.py).
+HISTOGRAM_CANDIDATES: dict[str, tuple[str, float | None]] = {
     "max": ("max", None), "mse": ("mse", None), "entropy": ("entropy", None),
     "percentile-99.9": ("percentile", 99.9), "percentile-99.99": ("percentile", 99.99),
     "percentile-99.999": ("percentile", 99.999)}
+AUTO_CANDIDATES: dict[str, tuple[str, float | None]] = {**HISTOGRAM_CANDIDATES, PER_QUANTIZER: (PER_QUANTIZER, None)}
 _MIN_AMAX = 1e-6  # TensorRT rejects a zero scale; a channel that is all zeros gets this instead
 
 
@@ -54,7 +57,8 @@ class QuantRecipe:
     """What to quantize and how. Patterns are regexes matched (re.search) against module names."""
 
     num_bits: int = 8
-    calib_method: str = "auto"         # auto (the best on the select split) | max | mse | percentile | entropy
+    calib_method: str = "auto"         # auto (the best on the select split) | max | mse | percentile | entropy |
+                                       # per-quantizer
     percentile: float = 99.999         # used by calib_method="percentile"
     calib_batches: int = 25            # training batches whose activations set the ranges
     skip: tuple[str, ...] = ()         # module-name patterns left in floating point
@@ -448,23 +452,42 @@ def calibrate_weights(model: nn.Module) -> None:
 
 class ActivationStatistics:
     """What one calibration pass saw at every enabled activation quantizer, and the ranges derived from it.
-    `apply(name)` sets every amax to a candidate's ranges (computed once, then cached)."""
+    `apply(name)` sets every amax to a candidate's ranges (computed once, then cached). The per-quantizer candidate
+    runs `model` on `images` (the first calibration images, every rank's share in one process's order): rank 0
+    searches and every rank gets its result, so all ranks hold the same ranges."""
 
-    def __init__(self, quantizers: list[TensorQuantizer], collectors: list[HistogramCollector],
-                 candidates: dict[str, tuple[str, float | None]], collect_s: float, device: torch.device):
-        self.quantizers, self.collectors, self.candidates = quantizers, collectors, candidates
-        self.collect_s, self.device = collect_s, device
+    def __init__(self, names: list[str], quantizers: list[TensorQuantizer], collectors: list[HistogramCollector],
+                 candidates: dict[str, tuple[str, float | None]], collect_s: float, model: nn.Module,
+                 images: torch.Tensor | None = None, world: World = World()):
+        self.names, self.quantizers, self.collectors, self.candidates = names, quantizers, collectors, candidates
+        self.collect_s, self.device = collect_s, _device_of(model)
+        self.model, self.images, self.world = model, images, world
         self.amax_s: dict[str, float] = {}
+        self.per_quantizer: dict[str, str] = {}  # the method each quantizer took in the per-quantizer candidate
         self._ranges: dict[str, list[torch.Tensor]] = {}
 
     def ranges(self, name: str) -> list[torch.Tensor]:
         if name not in self._ranges:
-            method, percentile = self.candidates[name]
+            method, percentile = self.candidates.get(name) or HISTOGRAM_CANDIDATES[name]  # the search's pool too
             t0 = time.perf_counter()
-            kwargs = {} if percentile is None else {"percentile": percentile}
-            self._ranges[name] = [c.compute_amax(method, **kwargs) for c in self.collectors]
+            if method == PER_QUANTIZER:
+                with quiet_quantizers():
+                    self._ranges[name] = self._search()
+            else:
+                kwargs = {} if percentile is None else {"percentile": percentile}
+                self._ranges[name] = [c.compute_amax(method, **kwargs) for c in self.collectors]
             self.amax_s[name] = round(time.perf_counter() - t0, 3)
         return self._ranges[name]
+
+    def _search(self) -> list[torch.Tensor]:
+        result = None
+        if self.world.main:
+            pool = {m: self.ranges(m) for m in HISTOGRAM_CANDIDATES}
+            ranges, methods, order = search(self.model, self.quantizers, pool, self.images)
+            result = ([r.cpu() for r in ranges], methods, order)
+        ranges, methods, order = self.world.broadcast(result)
+        self.per_quantizer = {self.names[k]: methods[k] for k in order}  # in the order they were chosen
+        return ranges
 
     def apply(self, name: str) -> None:
         for q, amax in zip(self.quantizers, self.ranges(name)):
@@ -496,7 +519,8 @@ def collect_statistics(model: nn.Module, recipe: QuantRecipe, batches: Iterable[
 
 def _collect_statistics(model: nn.Module, recipe: QuantRecipe, batches: Iterable[torch.Tensor],
                         world: World) -> ActivationStatistics:
-    acts = [q for _, q in named_quantizers(model, activations_only=True) if not q._disabled]
+    named = [(n, q) for n, q in named_quantizers(model, activations_only=True) if not q._disabled]
+    acts = [q for _, q in named]
     collectors = []
     for q in acts:
         if not isinstance(q._calibrator, HistogramCollector):
@@ -507,12 +531,17 @@ def _collect_statistics(model: nn.Module, recipe: QuantRecipe, batches: Iterable
         q.disable_quant()
         q.enable_calib()
     calibrate_weights(model)
+    candidates = recipe.candidates()
+    searched = any(method == PER_QUANTIZER for method, _ in candidates.values())
+    kept: list[torch.Tensor] = []  # this rank's share of the first batches: the per-quantizer search's images
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
     try:
         for im in batches:
             model(im)
+            if searched and sum(len(k) for k in kept) * world.size < SEARCH_IMAGES:
+                kept.append(im)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         combine_statistics(collectors, world)
@@ -526,7 +555,17 @@ def _collect_statistics(model: nn.Module, recipe: QuantRecipe, batches: Iterable
         raise RuntimeError(f"{len(empty)} quantizer(s) saw no data during calibration; is the model's forward complete?")
     for q in acts:  # the statistics now belong to the returned object
         q._calibrator = HistogramCollector(q.num_bits, q.unsigned)
-    return ActivationStatistics(acts, collectors, recipe.candidates(), time.perf_counter() - t0, _device_of(model))
+    images = search_images(kept, world, _device_of(model)) if searched else None
+    return ActivationStatistics([n for n, _ in named], acts, collectors, candidates, time.perf_counter() - t0, model,
+                                images, world)
+
+
+def search_images(kept: list[torch.Tensor], world: World, device: torch.device) -> torch.Tensor:
+    """The first SEARCH_IMAGES calibration images in one process's order: each global batch is the ranks' shares
+    in rank order (utils/batches.py `RankBatches`)."""
+    shares = world.all_gather([k.cpu() for k in kept])
+    batches = [torch.cat([share[b] for share in shares]) for b in range(len(kept))]
+    return torch.cat(batches)[:SEARCH_IMAGES].to(device)
 
 
 def calibrate(model: nn.Module, recipe: QuantRecipe, batches: Iterable[torch.Tensor], world: World = World()
@@ -560,7 +599,7 @@ __all__ = [
     "learnable_amax_parameters",
     "freeze_amax", "quant_params", "quantize_model", "is_quantized",
     "named_quantizers", "quantizer_counts", "quantization_disabled", "calibrate",
-    "collect_statistics", "ActivationStatistics", "AUTO_CANDIDATES",
+    "collect_statistics", "ActivationStatistics", "AUTO_CANDIDATES", "HISTOGRAM_CANDIDATES",
     "calibrate_weights", "copy_float",
     "skip_patterns", "CALIB_METHODS", "QUANTIZED_TYPES", "register",
 ]

@@ -34,16 +34,14 @@ sys.path.insert(0, str(Path.cwd()))
 from utils.benchmark_steps import (Bench, calibration_array, export, images_per_second, lint_summary,  # noqa: E402
                                    measure, mixed_summary, public, quantize_run, recipe_tag, run_step, sample_id,
                                    yaml_split)
+from models.quantize import AUTO_CANDIDATES  # noqa: E402
 from utils.benchmark_tables import model_table, render, summarize  # noqa: E402
 from utils.datasplit import write_split  # noqa: E402
 from utils.io_utils import atomic_write, write_json  # noqa: E402
 from utils.provenance import command_line, machine, overlay_repo, sha256, toolkit_commit  # noqa: E402
 from utils.results import difference, spread  # noqa: E402
 
-CALIBRATIONS = {"max": ["--calib-method", "max"], "mse": ["--calib-method", "mse"],
-                "percentile-99.99": ["--calib-method", "percentile", "--percentile", "99.99"],
-                "percentile-99.999": ["--calib-method", "percentile", "--percentile", "99.999"],
-                "entropy": ["--calib-method", "entropy"]}
+CALIBRATIONS = tuple(AUTO_CANDIDATES)  # each candidate of the default command's `auto`, measured on val too
 # QAT recipe variants, each spelled out in full (the default is QATRecipe()'s): judged on select, over seeds
 _HEAD = ["--distill", "head", "--lr-schedule", "cosine"]
 ABLATION = {
@@ -96,10 +94,11 @@ class ModelBench:
         return {"select": measure(model, self.split, out / "select", self.bench),
                 "val": measure(model, self.report_yaml, out / "val", self.bench)}
 
-    def quantize(self, folder: str, seed: int, extra: list[str]) -> dict:
-        """A `qat.py quantize` run on --data (it carves the select split itself; checked to be this benchmark's)."""
+    def quantize(self, folder: str, seed: int, extra: list[str], slot: int) -> dict:
+        """A `qat.py quantize` run on --data (it carves the select split itself; checked to be this benchmark's), on
+        the device of `slot` (the runs of the phases going side by side are spread over --device)."""
         b = self.bench
-        r = quantize_run([*b.common(self.weights, Path(b.data), seed), "--seed", str(seed), "--no-eval-origin", *extra],
+        r = quantize_run([*b.common(self.weights, Path(b.data), slot), "--seed", str(seed), "--no-eval-origin", *extra],
                          self.work / folder, b.step_env)
         if r["select"]["fingerprint"] != self.select_fingerprint:
             raise RuntimeError(f"{self.work / folder}: qat.py held out other select images than the benchmark's split")
@@ -109,49 +108,71 @@ class ModelBench:
         b = self.bench
         return ["--epochs", str(b.qat_epochs), "--iters", str(b.iters), "--no-eval-ptq", *extra]
 
-    def ptq(self) -> dict:
-        """Every fixed calibration method x seed: PTQ measured on select (in the run) and on val."""
+    def default_command(self, extra: tuple[str, ...] = (), finetune: bool = True) -> dict[str, dict]:
+        """The command users run, per seed: `auto` calibration (every candidate measured on select), QAT, the
+        delivered model (the best on select of PTQ and every QAT epoch); its report.json. `extra`: the flags of a
+        variant of it (--max-loss). The plain command also saves each calibration candidate's model (measurement
+        only: `ptq` measures them on val), and without `finetune` it stops after PTQ."""
         b = self.bench
-        jobs = [(m, s) for m in b.methods for s in b.seeds]
+        tag = ("qat" if finetune else "ptq-auto") + recipe_tag(b.qat_args + extra)
+        args = [*self.finetune_args(*b.qat_args, *extra)] if finetune else ["--epochs", "0", *extra]
+        save = [] if extra else ["--save-candidates"]
+        slot = 2 * len(b.seeds) if extra else 0  # beside the control's runs (slots len(seeds)...)
+
+        def one(s):
+            return self.quantize(f"{tag}-seed{s}", s, [*args, *save], slot + b.seeds.index(s))
+        with self.pool() as pool:
+            return dict(zip(map(str, b.seeds), pool.map(one, b.seeds)))
+
+    def ptq(self, reports: dict[str, dict]) -> dict:
+        """Every calibration candidate x seed, from the default command's one calibration per seed (a run with
+        `--calib-method X` computes the same ranges from the same statistics: tests/test_quantize.py): select as
+        measured in the run, val measured here."""
+        b = self.bench
+        jobs = [(m, s) for m in b.methods for s in map(str, b.seeds)]
 
         def one(job):
             m, s = job
-            r = self.quantize(f"ptq-{m}-seed{s}", s, [*CALIBRATIONS[m], "--epochs", "0"])
-            d = self.work / f"ptq-{m}-seed{s}"
-            seconds = r["calibration"]["seconds"]
-            return {"select": r["ptq"], "val": measure(Path(r["ptq_file"]), self.report_yaml, d / "val", b),
-                    "calib_s": round(seconds["collect"] + sum(seconds["ranges"].values()), 2),
+            r = reports[s]
+            cal, saved = r["calibration"], r["calibration"]["saved"][m]
+            seconds = cal["seconds"]["collect"] + cal["seconds"]["ranges"][m]
+            return {"select": saved["metrics"],
+                    "val": measure(Path(saved["file"]), self.report_yaml, Path(r["save_dir"]) / f"val-ptq-{m}", b),
+                    "calib_s": round(seconds, 2), "ranges_s": cal["seconds"]["ranges"][m],
                     "calibration_sample": sample_id(r["calibration_images"]),
-                    "calibration_images": r["calibration_images"], "file": r["ptq_file"]}
+                    "calibration_images": r["calibration_images"], "file": saved["file"]}
         with self.pool() as pool:
             runs = dict(zip(jobs, pool.map(one, jobs)))
-        return {m: {str(s): runs[(m, s)] for s in b.seeds} for m in b.methods}
+        return {m: {s: runs[(m, s)] for s in map(str, b.seeds)} for m in b.methods}
 
-    def default_command(self, extra: tuple[str, ...] = ()) -> dict:
-        """The command users run, per seed: `auto` calibration (its choice and every candidate's select mAP), QAT,
-        the delivered model (the best on select of PTQ and every QAT epoch); the PTQ, the best QAT epoch, the last
-        and the delivered model measured on val. `extra`: flags of a variant of it (--max-loss)."""
+    def qat_rows(self, reports: dict[str, dict]) -> dict:
+        """What the entry keeps of each default-command run: auto's choice and every candidate's select mAP, QAT
+        by epoch, the delivered model; the PTQ model, the best QAT epoch, the last and the delivered one on val."""
         b = self.bench
-        tag = "qat" + recipe_tag(b.qat_args + extra)
 
         def one(s):
-            r = self.quantize(f"{tag}-seed{s}", s, self.finetune_args(*b.qat_args, *extra))
-            d = self.work / f"{tag}-seed{s}"
+            r = reports[s]
+            d = Path(r["save_dir"])
             cal, final, epochs = r["calibration"], r["final"], r["qat"]
-            ptq_val = measure(Path(r["ptq_file"]), self.report_yaml, d / "val-ptq", b)
+            # the PTQ model of the plain command is its chosen candidate's: one measurement serves both rows
+            ptq_folder = d / (f"val-ptq-{cal['chosen']}" if cal["chosen"] in cal.get("saved", {}) else "val-ptq")
+            ptq_val = measure(Path(r["ptq_file"]), self.report_yaml, ptq_folder, b)
             best, last = r["qat_best"], epochs[-1]
             val_best = measure(Path(r["qat_best_file"]), self.report_yaml, d / "val-best", b)
             val_last = val_best if best["epoch"] == last["epoch"] else \
                 measure(Path(last["file"]), self.report_yaml, d / "val-last", b)
+            per_quantizer = cal.get("per_quantizer")
             return {"recipe": r["config"]["qat"], "auto": {"chosen": cal["chosen"], "candidates": cal["candidates"],
-                                                          "seconds": cal["seconds"], "val": ptq_val},
+                                                          "seconds": cal["seconds"], "val": ptq_val,
+                                                          **({"per_quantizer": per_quantizer["counts"]}
+                                                             if per_quantizer else {})},
                     "train_img_s": images_per_second(epochs, r["config"]["batch_size"], b.iters),
                     "best_epoch": best["epoch"], "select_by_epoch": [e["ap"] for e in epochs], "val_best": val_best,
                     "val_last": val_last, "final": {"stage": final["stage"], "epoch": final["epoch"]},
                     "val_final": ptq_val if final["stage"] == "ptq" else val_best, "final_file": final["file"],
                     **({"mixed_precision": mixed_summary(r["mixed_precision"])} if "mixed_precision" in r else {})}
         with self.pool() as pool:
-            return dict(zip(map(str, b.seeds), pool.map(one, b.seeds)))
+            return dict(zip(reports, pool.map(one, reports)))
 
     def control(self) -> dict:
         """The float control of the default command per seed: its best epoch on select and its last, on val."""
@@ -160,7 +181,8 @@ class ModelBench:
 
         def one(s):
             d = self.work / f"{tag}-seed{s}"
-            r = self.quantize(f"{tag}-seed{s}", s, self.finetune_args(*b.qat_args, "--float-control"))
+            r = self.quantize(f"{tag}-seed{s}", s, self.finetune_args(*b.qat_args, "--float-control"),
+                              len(b.seeds) + b.seeds.index(s))
             best, last = r["qat_best"], r["qat"][-1]
             val_best = measure(Path(r["qat_best_file"]), self.report_yaml, d / "val-best", b)
             return {"recipe": r["config"]["qat"], "best_epoch": best["epoch"],
@@ -182,7 +204,8 @@ class ModelBench:
             v, s = job
             same_as_qat = v == "default" and not b.qat_args  # the default command's own run, not a rerun
             r = self.quantize(f"qat-seed{s}" if same_as_qat else f"ablation-{v}-seed{s}", s,
-                              self.finetune_args(*ABLATION[v][1]))
+                              [*self.finetune_args(*ABLATION[v][1]), *(["--save-candidates"] if same_as_qat else [])],
+                              variants.index(v) * len(b.seeds) + b.seeds.index(s))
             return r["qat_best"]["ap"], r["qat"][-1]["ap"], r["final"]["ap"]
         with self.pool() as pool:
             runs = dict(zip(jobs, pool.map(one, jobs)))
@@ -303,40 +326,43 @@ class ModelBench:
         return copy
 
     def run(self, ablation: tuple[str, ...] = ()) -> dict:
-        """The independent phases side by side (fixed PTQ beside the default command, then the control beside the
-        deployed graphs), each with --jobs runs at a time: two phases' GPU memory at once, not three."""
-        fp = self.on_both(self.weights, self.work / "fp")
-        skip = self.bench.skip
-        with ThreadPoolExecutor(2) as phases:
-            ptq_runs = phases.submit(self.ptq)
-            qat_runs = phases.submit(self.default_command) if "qat" not in skip else None
-            ptq, qat = ptq_runs.result(), qat_runs and qat_runs.result()
-        choice = max(ptq, key=lambda m: spread([r["select"]["ap"] for r in ptq[m].values()])["mean"])
-        if ablation:
-            self.ablation(ablation)
-        entry = {"model": self.name, "dataset": self.bench.dataset, "imgsz": self.bench.imgsz,
-                 "provenance": self.provenance(), "settings": self.settings(), "fp": fp,
-                 "ptq": {m: {s: public(r) for s, r in runs.items()} for m, runs in ptq.items()},
-                 "ptq_choice": choice, "not_run": list(skip)}
-        ours = Path(ptq[choice][str(self.bench.seeds[0])]["file"])  # the deployed graph of our best stage
-        with ThreadPoolExecutor(3) as phases:
-            mixed = phases.submit(self.default_command, ("--max-loss", f"{self.bench.max_loss:g}")) \
-                if qat and self.bench.max_loss is not None else None
-            control = phases.submit(self.control) if "fp_ft" not in skip else None
+        """The independent phases side by side, each with --jobs runs at a time: the default command, its float
+        control and its --max-loss variant; once the default command is done, its candidates and stages measured on
+        val and its delivered graphs in ONNX Runtime."""
+        b, skip = self.bench, self.bench.skip
+        finetune = "qat" not in skip
+        with ThreadPoolExecutor(6) as phases:
+            fp = phases.submit(self.on_both, self.weights, self.work / "fp")
+            default = phases.submit(self.default_command, (), finetune)
+            control = phases.submit(self.control) if finetune and "fp_ft" not in skip else None
+            mixed = phases.submit(self.default_command, ("--max-loss", f"{b.max_loss:g}")) \
+                if finetune and b.max_loss is not None else None
+            reports = default.result()
+            ptq = phases.submit(self.ptq, reports)
+            qat = self.qat_rows(reports) if finetune else None
             deployed = phases.submit(self.deployed, qat) if qat and "ort" not in skip else None
+            ptq = ptq.result()
+            choice = max(ptq, key=lambda m: spread([r["select"]["ap"] for r in ptq[m].values()])["mean"])
+            entry = {"model": self.name, "dataset": b.dataset, "imgsz": b.imgsz, "provenance": self.provenance(),
+                     "settings": self.settings(), "fp": fp.result(),
+                     "ptq": {m: {s: public(r) for s, r in runs.items()} for m, runs in ptq.items()},
+                     "ptq_choice": choice, "not_run": list(skip)}
+            ours = Path(ptq[choice][str(b.seeds[0])]["file"])  # the deployed graph of our best stage
             if qat:
                 entry["qat"] = {s: public(r) for s, r in qat.items()}
-                ours = Path(qat[str(self.bench.seeds[0])]["final_file"])
+                ours = Path(qat[str(b.seeds[0])]["final_file"])
             if deployed:
                 entry["ort"] = deployed.result()
             if control:
                 entry["fp_ft"] = control.result()
             if mixed:
-                entry["mixed"] = {s: public(r) for s, r in mixed.result().items()}
-        if self.bench.modelopt:
+                entry["mixed"] = {s: public(r) for s, r in self.qat_rows(mixed.result()).items()}
+        if ablation:
+            self.ablation(ablation)
+        if b.modelopt:
             self.add_modelopt(entry, {s: r["calibration_images"] for s, r in ptq[choice].items()}, ours)
         entry["summary"] = summarize(entry)
-        write_json(self.bench.out / self.bench.dataset / self.name / "entry.json", entry)
+        write_json(b.out / b.dataset / self.name / "entry.json", entry)
         return entry
 
     def provenance(self) -> dict:
@@ -353,7 +379,7 @@ class ModelBench:
 
     def settings(self) -> dict:
         return {k: v for k, v in asdict(self.bench).items() if k not in ("work", "out", "data", "jobs", "device",
-                                                                        "skip", "ort_seeds", "max_loss")}
+                                                                        "skip", "ort_seeds", "max_loss", "cache")}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -365,7 +391,8 @@ def parse_opt(argv=None):
     p.add_argument("--data", help="dataset.yaml (train and val); the select split is carved from train")
     p.add_argument("--models", nargs="*", default=[], help="NAME=weights.pt (trained, converted float models)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--methods", nargs="+", choices=sorted(CALIBRATIONS), default=list(CALIBRATIONS))
+    p.add_argument("--methods", nargs="+", choices=CALIBRATIONS, default=list(CALIBRATIONS),
+                   help="the default command's calibration candidates also measured on val (each one's PTQ row)")
     p.add_argument("--imgsz", type=int, default=640)
     p.add_argument("--device", default="0")
     p.add_argument("--batch-size", type=int, default=32)
@@ -374,6 +401,8 @@ def parse_opt(argv=None):
     p.add_argument("--calib-batches", type=int, default=25)
     p.add_argument("--qat-args", default="", help="extra qat.py quantize flags for QAT and its control")
     p.add_argument("--workers", type=int, default=8, help="dataloader workers per run")
+    p.add_argument("--cache", choices=("ram", "disk"), default=None,
+                   help="qat.py quantize --cache for every run (the same batches: where it runs, not what it measures)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time in each of two phases side by side")
     p.add_argument("--ort-seeds", type=int, default=None,
                    help="the first N seeds' delivered graphs measured in ONNX Runtime (default: every seed)")
@@ -426,7 +455,7 @@ def main(argv=None) -> int:
     bench = Bench(opt.dataset, str(Path(opt.data).resolve()), opt.imgsz, opt.device, opt.batch_size, opt.workers,
                   tuple(opt.seeds), tuple(opt.methods), opt.qat_epochs, opt.iters, opt.calib_batches,
                   tuple(shlex.split(opt.qat_args)), opt.modelopt, tuple(opt.skip), opt.jobs,
-                  opt.ort_seeds or len(opt.seeds), opt.work.resolve(), opt.out.resolve(), opt.max_loss)
+                  opt.ort_seeds or len(opt.seeds), opt.work.resolve(), opt.out.resolve(), opt.max_loss, opt.cache)
     ablation = () if opt.ablation is None else tuple(opt.ablation) or tuple(ABLATION)
     for name, weights in opt.models.items():
         try:

@@ -13,7 +13,8 @@ from conftest import CHECKOUT, build_model
 
 from models.checkpoint import read_checkpoint, save_checkpoint
 from models.pipeline import CONTROL_PARTS, controlled_quantizers
-from models.finetune import RECIPES, FineTuner, QATObjective, QATRecipe, WeightEMA, head_distill_loss, lr_at
+from models.finetune import RECIPES, FineTuner, QATObjective, QATRecipe, WeightEMA, lr_at
+from models.losses import head_distill_loss
 from models.quantize import (QuantRecipe, calibrate, copy_float, fake_quant, learnable_amax_parameters,
                              named_quantizers, quantization_disabled, quantize_model)
 from utils.onnx_utils import model_to_onnx, unshared_joins

@@ -189,7 +189,7 @@ def test_every_candidate_range_comes_from_one_pass(gelan_t):
     model = copy.deepcopy(gelan_t)
     images = _images(2)
     stats = collect_statistics(model, QuantRecipe(calib_method="auto"), images)
-    assert list(stats.candidates) == list(named)
+    assert list(stats.candidates) == [*named, "per-quantizer"]
     for name, (method, percentile) in named.items():
         single = copy.deepcopy(gelan_t)
         calibrate(single, QuantRecipe(calib_method=method, percentile=percentile or 99.999), images)
@@ -199,6 +199,12 @@ def test_every_candidate_range_comes_from_one_pass(gelan_t):
         assert torch.equal(ranges, want), name
     stats.apply("max")
     assert all(float(q.amax) == c.max for q, c in zip(stats.quantizers, stats.collectors))
+    # the per-quantizer candidate: each quantizer at one of those ranges, the one its record names
+    chosen = stats.ranges("per-quantizer")
+    assert sorted(stats.per_quantizer) == sorted(n for n, q in named_quantizers(model, activations_only=True)
+                                                 if not q._disabled)
+    for k, name in enumerate(stats.names):
+        assert torch.equal(chosen[k], stats.ranges(stats.per_quantizer[name])[k]), name
 
 
 def test_fake_quant_matches_int8_rounding():

@@ -11,6 +11,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,11 +40,13 @@ class Bench:
     work: Path
     out: Path
     max_loss: float | None = None
+    cache: str | None = None
 
-    def device_for(self, seed: int) -> str:
-        """--device 0,1: each seed's runs on one of the GPUs in turn (a run is one process on one device)."""
+    def device_for(self, slot: int) -> str:
+        """--device 0,1,...: the device of run `slot` (a run is one process on one device; the runs going side by
+        side take consecutive slots, so they spread over the devices)."""
         devices = self.device.split(",")
-        return devices[self.seeds.index(seed) % len(devices)] if seed in self.seeds else devices[0]
+        return devices[slot % len(devices)]
 
     @property
     def step_env(self) -> dict[str, str]:
@@ -55,11 +58,11 @@ class Bench:
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.jobs)))
         return env
 
-    def common(self, weights: Path, data: Path, seed: int) -> list[str]:
+    def common(self, weights: Path, data: Path, slot: int) -> list[str]:
         return ["--weights", str(weights), "--data", str(data), "--imgsz", str(self.imgsz), "--device",
-                self.device_for(seed),
-                "--batch-size", str(self.batch_size), "--calib-batches", str(self.calib_batches), "--workers",
-                str(self.workers)]
+                self.device_for(slot), "--batch-size", str(self.batch_size), "--calib-batches",
+                str(self.calib_batches), "--workers", str(self.workers),
+                *(["--cache", self.cache] if self.cache else [])]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -92,10 +95,11 @@ def quantize_run(args: list[str], save_dir: Path, env: dict[str, str]) -> dict:
 
 
 def _result_args(args: list[str]) -> list[str]:
-    """The arguments that decide a run's numbers: where it runs (--device, --workers) may change when it resumes."""
+    """The arguments that decide a run's numbers: where and how fast it runs (--device, --workers, --cache: the same
+    batches) may change when it resumes."""
     out, i = [], 0
     while i < len(args):
-        if args[i] in ("--device", "--workers"):
+        if args[i] in ("--device", "--workers", "--cache"):
             i += 2
             continue
         out.append(args[i])
@@ -112,8 +116,9 @@ def measure(model: Path, data: Path, out: Path, bench: Bench) -> dict:
     """mAP of a .pt (PyTorch) or .onnx (ONNX Runtime) through val_trt.py: one loop, one letterbox for all."""
     result = out / "val_trt.json"
     if not result.is_file():
+        device = bench.device_for(zlib.crc32(str(out).encode()))  # measurements spread over the devices
         source = ["--onnx-file", str(model)] if model.suffix == ".onnx" else ["--weights", str(model), "--device",
-                                                                             bench.device_for(-1)]
+                                                                             device]
         run_step([sys.executable, "val_trt.py", *source, "--data", str(data), "--imgsz", str(bench.imgsz),
                   "--batch-size", "8", "--workers", str(bench.workers), "--project", str(out.parent), "--name",
                   out.name, "--exist-ok"], out.with_suffix(".log"), bench.step_env)

@@ -21,6 +21,7 @@ from utils.provenance import overlay_repo
 from utils.results import difference, fmt, fmt_difference, render_files, spread
 
 REPO = overlay_repo()
+PER_QUANTIZER = "per-quantizer"  # auto's candidate choosing quantizer by quantizer (models/quantize_ranges.py)
 
 
 def summarize(e: dict) -> dict:
@@ -55,6 +56,10 @@ def summarize(e: dict) -> dict:
         s["ort"] = {d: over(runs, "val") for d, runs in e["ort"].items()}
         s["ort_vs_pytorch"] = {d: difference(v, spread([e["qat"][seed]["val_final"]["ap"] for seed in e["ort"][d]]))
                                for d, v in s["ort"].items()}
+    if PER_QUANTIZER in e["ptq"] and len(e["ptq"]) > 1:
+        s["global_auto_choices"] = global_auto_choices(e)
+        s["global_auto"] = spread([e["ptq"][m][seed]["val"]["ap"] for seed, m in s["global_auto_choices"].items()])
+        s["per_quantizer_vs_global_auto"] = difference(s["ptq"][PER_QUANTIZER], s["global_auto"])
     if "modelopt" in e:
         s["modelopt"] = {m: over(runs, "val") for m, runs in e["modelopt"].items()}
         peer = s["modelopt"][e["modelopt_choice"]]
@@ -62,6 +67,14 @@ def summarize(e: dict) -> dict:
         if "qat" in e:
             s["qat_vs_modelopt"] = difference(s["qat_best"], peer)
     return s
+
+
+def global_auto_choices(e: dict) -> dict[str, str]:
+    """Per seed, what `auto` chooses among the methods that give every quantizer a range by one rule (every
+    candidate but the per-quantizer one): the best on select."""
+    methods = [m for m in e["ptq"] if m != PER_QUANTIZER]
+    return {seed: max(methods, key=lambda m: (e["ptq"][m][seed]["select"]["ap"], -methods.index(m)))
+            for seed in e["ptq"][methods[0]]}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -119,6 +132,7 @@ def model_table(e: dict) -> str:
               (f"Delivered - best fixed PTQ on val ({s['best_fixed_on_val']})", s.get("final_vs_best_fixed")),
               (f"PTQ auto - best fixed PTQ on val ({s['best_fixed_on_val']})", s.get("auto_vs_best_fixed")),
               ("QAT best epoch - PTQ chosen on select", s.get("qat_vs_best_ptq")),
+              ("PTQ per-quantizer - PTQ auto among the one-rule methods", s.get("per_quantizer_vs_global_auto")),
               ("PTQ chosen on select - FP32", s.get("best_ptq_vs_fp"))]
     lines += [""] + [f"- {name}: {fmt_difference(d)}" for name, d in claims if d]
     if "ort_vs_pytorch" in s:
@@ -162,6 +176,29 @@ def training_table(out: Path) -> str:
                     f"[curve](../{f.parent.relative_to(out.parent)}/curve.png) |")
     return _markdown(("Data", "Model", "Epochs run", "Best epoch", "Best select mAP50-95", "Converged", "Time", "GPUs",
                       "Curve"), rows, "No float training recorded yet.")
+
+
+def ptq_ranges_table(out: Path) -> str:
+    """PTQ with every quantizer's range by one rule (auto's choice among max, mse, entropy, percentiles) against
+    ranges chosen quantizer by quantizer, per model: the entries' and the PTQ-only ones under OUT/ptq-ranges."""
+    rows = []
+    for f in sorted(out.glob("*/*/entry.json")) + sorted(out.glob("ptq-ranges/*/*/entry.json")):
+        e = json.loads(f.read_text())
+        s = e["summary"]
+        if "per_quantizer_vs_global_auto" not in s:
+            continue
+        per_q = e["ptq"][PER_QUANTIZER]
+        choices = ", ".join(s["global_auto_choices"].values())
+        select = [spread([e["ptq"][m][seed]["select"]["ap"] for seed, m in s["global_auto_choices"].items()]),
+                  spread([r["select"]["ap"] for r in per_q.values()])]
+        search = [r["ranges_s"] for r in per_q.values() if "ranges_s" in r]
+        rows.append(f"| {e['model']} | {e['dataset']} | {_where(e['provenance']['machine'])} | {fmt(s['fp'])} | "
+                    f"{fmt(select[0])} | {fmt(select[1])} | {fmt(s['global_auto'])} ({choices}) | "
+                    f"{fmt(s['ptq'][PER_QUANTIZER])} | {fmt_difference(s['per_quantizer_vs_global_auto'])} | "
+                    + (f"{min(search):.0f}-{max(search):.0f} s |" if search else "not recorded |"))
+    return _markdown(("Model", "Data", "Where", "Float, val", "One-rule auto, select", "Per-quantizer, select",
+                      "One-rule auto, val (its choice per seed)", "Per-quantizer, val", "Per-quantizer - one-rule",
+                      "Search time per seed"), rows, "No per-quantizer PTQ recorded yet.")
 
 
 def costs_table(out: Path) -> str:
@@ -396,6 +433,7 @@ def rendered(out: Path, docs: bool) -> dict[Path, dict[str, str]]:
     if docs:
         files[REPO / "docs" / "RESULTS.md"] = {"accuracy": accuracy, "float-training": training_table(out),
                                                "ablation": ablation_table(out), "costs": costs_table(out),
+                                               "ptq-ranges": ptq_ranges_table(out),
                                                **{name: experiment_table(out, x) for name, x in EXPERIMENTS.items()}}
         files[REPO / "README.md"] = {"accuracy": accuracy, "demo": demo_table(out)}
     return files

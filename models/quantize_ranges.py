@@ -1,0 +1,150 @@
+"""Activation ranges chosen per quantizer by what they do to the detector's outputs (`--calib-method
+per-quantizer`, one of `auto`'s candidates).
+
+The other calibration methods give every activation quantizer a range by one rule (max, mse, entropy, a
+percentile), each judged on the histogram of its own input. Here each quantizer takes whichever of those ranges
+does least harm to what the model outputs, measured as QAT's distillation loss against the float model
+(models/losses.py: class scores, and box distributions where the float model sees objects) on a few calibration
+images. Quantizers are visited in the order the forward first calls them, the earlier ones at their chosen ranges,
+the later ones off (float), the weights INT8, and each candidate range is tried by running the network from the
+first layer that reads the quantizer (the earlier layers' outputs are kept). A quantizer shared by several modules
+(TensorRT's scale-sharing groups are one object, models/quantize_rules.py) is chosen once.
+
+The error at the reading conv's own output is no guide: on trained gelan-s (helmet, select split) ranges chosen
+by it scored below every single method (the clipping that lowers a conv's mean squared error drops the rare large
+activations the detections rest on). The cost is about one pass through the rest of the network per quantizer and
+candidate on the search images: seconds on a GPU, minutes for a small model on a CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn as nn
+from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
+
+from models.losses import head_distillation
+
+PER_QUANTIZER = "per-quantizer"
+SEARCH_IMAGES = 16  # the first calibration images: the error is compared on these
+
+
+def owners(model: nn.Module, quantizers: Sequence[TensorQuantizer]) -> list[list[nn.Module]]:
+    """For each quantizer, the modules holding it as a direct child (the modules that read its INT8 tensor)."""
+    index = {id(q): k for k, q in enumerate(quantizers)}
+    found: list[dict[int, nn.Module]] = [{} for _ in quantizers]
+    for m in model.modules():
+        for child in m._modules.values():
+            if child is not None and id(child) in index:
+                found[index[id(child)]][id(m)] = m
+    return [list(d.values()) for d in found]
+
+
+@contextlib.contextmanager
+def _hooks(handles: list) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def call_order(model: nn.Module, quantizers: Sequence[TensorQuantizer], images: torch.Tensor) -> list[int]:
+    """The quantizers' indices in the order the forward first calls them (quantizers never called come last)."""
+    index = {id(q): k for k, q in enumerate(quantizers)}
+    order: dict[int, None] = {}
+    handles = [q.register_forward_pre_hook(lambda mod, _: order.setdefault(index[id(mod)], None)) for q in quantizers]
+    with _hooks(handles), torch.no_grad():
+        model(images)
+    return list(order) + [k for k in range(len(quantizers)) if k not in order]
+
+
+@contextlib.contextmanager
+def _all_off(quantizers: Sequence[TensorQuantizer]) -> Iterator[None]:
+    was = [q._disabled for q in quantizers]
+    for q in quantizers:
+        q.disable()
+    try:
+        yield
+    finally:
+        for q, off in zip(quantizers, was):
+            if not off:
+                q.enable()
+
+
+class _Layers:
+    """The model's layers run one at a time as upstream's forward runs them (each reads the previous output or the
+    ones its `f` names), every output kept, so that a pass can start at any layer whose inputs are still valid."""
+
+    def __init__(self, model: nn.Module, images: torch.Tensor):
+        self.layers, self.images = list(model.model), images
+        self.outputs: list = []
+        self.layer_of = {id(m): i for i, layer in enumerate(self.layers) for m in layer.modules()}
+
+    def _input(self, i: int):
+        f = self.layers[i].f
+        previous = self.outputs[i - 1] if i else self.images
+        if isinstance(f, int):
+            return previous if f == -1 else self.outputs[f]
+        return [previous if j == -1 else self.outputs[j] for j in f]
+
+    def run(self, start: int, stop: int | None = None):
+        """Layers [start, stop) (the outputs before `start` are kept); the last output (the model's, run to the
+        end)."""
+        del self.outputs[start:]
+        with torch.no_grad():
+            for i in range(start, len(self.layers) if stop is None else stop):
+                self.outputs.append(self.layers[i](self._input(i)))
+        return self.outputs[-1] if self.outputs else None
+
+
+def search(model: nn.Module, quantizers: Sequence[TensorQuantizer], candidates: dict[str, list[torch.Tensor]],
+           images: torch.Tensor) -> tuple[list[torch.Tensor], list[str], list[int]]:
+    """Each activation quantizer's range, one of `candidates` ({method: one amax per quantizer}, in the order ties
+    go to), chosen as the module docstring says. Returns the ranges, the method chosen for each quantizer and the
+    order they were chosen in (the forward's). The quantizers are left on, at the chosen ranges; every other
+    quantizer (the weights') as it was.
+
+    Only the layers from the first one reading a quantizer on depend on its range: the earlier layers' outputs
+    are kept, so a candidate costs the rest of the network, not a whole forward pass."""
+    device = images.device
+    readers = owners(model, quantizers)
+    weights = [m for m in model.modules() if isinstance(m, TensorQuantizer) and m.axis is not None and not m._disabled]
+    was_training = model.training
+    model.eval()
+    methods = list(candidates)
+    chosen: list[str] = [methods[0]] * len(quantizers)
+    order: list[int] = []
+    layers = _Layers(model, images)
+    try:
+        head = model.model[-1]
+        nc, reg_max = int(head.nc), int(getattr(head, "reg_max", 16))
+        with torch.no_grad():
+            order = call_order(model, quantizers, images)
+            with _all_off([*quantizers, *weights]):
+                reference = model(images)
+            for q in quantizers:
+                q.disable()
+            valid = 0  # the layers whose kept outputs hold for the ranges chosen so far
+            for k in order:
+                q = quantizers[k]
+                first = min((layers.layer_of[id(m)] for m in readers[k]), default=len(layers.layers))
+                layers.run(valid, first)
+                q.enable()
+                errors: dict[float, float] = {}  # by amax: methods that give one range are measured once
+                for method in methods:
+                    amax = candidates[method][k].reshape(())
+                    if float(amax) not in errors:
+                        q.set_amax(amax.to(device))
+                        errors[float(amax)] = float(head_distillation(layers.run(first), reference, nc, reg_max)[0])
+                # the least error; a tie goes to the earlier method
+                chosen[k] = min(methods, key=lambda m: (errors[float(candidates[m][k])], methods.index(m)))
+                q.set_amax(candidates[chosen[k]][k].reshape(()).to(device))
+                valid = first
+    finally:
+        for q in quantizers:
+            q.enable()
+        model.train(was_training)
+    return [candidates[m][k] for k, m in enumerate(chosen)], chosen, order
+
