@@ -99,7 +99,7 @@ class ModelBench:
         the device of `slot` (the runs of the phases going side by side are spread over --device)."""
         b = self.bench
         r = quantize_run([*b.common(self.weights, Path(b.data), slot), "--seed", str(seed), "--no-eval-origin", *extra],
-                         self.work / folder, b.step_env)
+                         self.work / folder, b.env_for(b.device_for(slot)))
         if r["select"]["fingerprint"] != self.select_fingerprint:
             raise RuntimeError(f"{self.work / folder}: qat.py held out other select images than the benchmark's split")
         return r

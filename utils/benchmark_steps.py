@@ -58,6 +58,12 @@ class Bench:
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.jobs)))
         return env
 
+    def env_for(self, device: str) -> dict[str, str]:
+        """A step's environment on `device`: a GPU index is also the only GPU the step sees. A script's device choice
+        by CUDA_VISIBLE_DEVICES (upstream's select_device) comes too late once anything has asked CUDA for its
+        device count, and every step would then run on the first GPU."""
+        return {**self.step_env, "CUDA_VISIBLE_DEVICES": device} if device.isdigit() else self.step_env
+
     def common(self, weights: Path, data: Path, slot: int) -> list[str]:
         return ["--weights", str(weights), "--data", str(data), "--imgsz", str(self.imgsz), "--device",
                 self.device_for(slot), "--batch-size", str(self.batch_size), "--calib-batches",
@@ -121,7 +127,7 @@ def measure(model: Path, data: Path, out: Path, bench: Bench) -> dict:
                                                                              device]
         run_step([sys.executable, "val_trt.py", *source, "--data", str(data), "--imgsz", str(bench.imgsz),
                   "--batch-size", "8", "--workers", str(bench.workers), "--project", str(out.parent), "--name",
-                  out.name, "--exist-ok"], out.with_suffix(".log"), bench.step_env)
+                  out.name, "--exist-ok"], out.with_suffix(".log"), bench.env_for(device))
     m = json.loads(result.read_text())
     return {k: m[k] for k in ("ap", "ap50", "precision", "recall")}
 
