@@ -123,8 +123,9 @@ def measure(model: Path, data: Path, out: Path, bench: Bench) -> dict:
     result = out / "val_trt.json"
     if not result.is_file():
         device = bench.device_for(zlib.crc32(str(out).encode()))  # measurements spread over the devices
+        # the one GPU the step sees (env_for) is its first
         source = ["--onnx-file", str(model)] if model.suffix == ".onnx" else ["--weights", str(model), "--device",
-                                                                             device]
+                                                                             "0" if device.isdigit() else device]
         run_step([sys.executable, "val_trt.py", *source, "--data", str(data), "--imgsz", str(bench.imgsz),
                   "--batch-size", "8", "--workers", str(bench.workers), "--project", str(out.parent), "--name",
                   out.name, "--exist-ok"], out.with_suffix(".log"), bench.env_for(device))
