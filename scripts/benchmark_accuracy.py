@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path.cwd()))
 
 from utils.benchmark_steps import (Bench, calibration_array, export, images_per_second, lint_summary,  # noqa: E402
                                    measure, mixed_summary, public, quantize_run, recipe_tag, run_step, sample_id,
-                                   yaml_split)
+                                   step_devices, yaml_split)
 from models.quantize import AUTO_CANDIDATES  # noqa: E402
 from utils.benchmark_tables import model_table, render, summarize  # noqa: E402
 from utils.datasplit import write_split  # noqa: E402
@@ -370,6 +370,7 @@ class ModelBench:
         train = self.bench.out / self.bench.dataset / self.name / "float" / "train.json"
         trained = json.loads(train.read_text()) if train.is_file() else {}
         return {"commit": toolkit_commit(), "command": command_line(), "machine": machine(),
+                "steps_ran_on": step_devices(self.work),
                 "weights": str(self.weights.relative_to(REPO) if self.weights.is_relative_to(REPO) else self.weights),
                 "weights_sha256": digest, "seeds": list(self.bench.seeds),
                 "split": yaml_split(self.split),

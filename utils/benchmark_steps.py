@@ -147,6 +147,20 @@ def export(weights: Path, dtype: str, bench: Bench) -> Path:
     return onnx_file
 
 
+_BANNER = re.compile(r"torch-(\S+) (?:CUDA:\d+ \((.+?), \d+MiB\)|CPU)")  # upstream's select_device line
+
+
+def step_devices(folder: Path) -> list[str]:
+    """Where the steps under `folder` ran, as their own logs say (upstream's banner, e.g. 'torch-2.11.0+cu130 CUDA:0
+    (NVIDIA H100 80GB HBM3, 81079MiB)'): each distinct device and torch. A benchmark resumed elsewhere reuses the
+    steps' outputs, so the machine that writes the entry need not be the one that measured it."""
+    found = set()
+    for log in folder.rglob("*.log"):
+        for m in _BANNER.finditer(log.read_text(errors="replace")):
+            found.add(f"{m[2] or 'CPU'} (torch {m[1]})")
+    return sorted(found)
+
+
 def lint_summary(onnx_file: Path) -> dict:
     """Counted by one rule for every graph (ours and the peer's): utils/qdq_lint.py."""
     from utils.qdq_lint import lint_file

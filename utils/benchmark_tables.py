@@ -122,7 +122,7 @@ def model_table(e: dict) -> str:
     peer = f"; Model Optimizer rows added later on {_where(prov['peer']['machine'])}, commit " \
            f"{_commit(prov['peer']['commit'])}" if "peer" in prov else ""
     lines = [f"**{e['model']}** on {e['dataset']} ({prov['split']['images']['val']} val images, "
-             f"imgsz {e['imgsz']}; {seeds} seeds; {_where(prov['machine'])}; commit {_commit(prov['commit'])}{peer})",
+             f"imgsz {e['imgsz']}; {seeds} seeds; {_where_measured(prov)}; commit {_commit(prov['commit'])}{peer})",
              "",
              "| Stage | mAP50-95 val, mean ± std (seeds) | mAP50-95 select |", "|---|---|---|"]
     lines += [f"| {name} | {fmt(v)} | {sel} |" for name, v, sel in rows]
@@ -149,6 +149,15 @@ def model_table(e: dict) -> str:
 
 def _where(machine: dict) -> str:
     return machine["gpu"] or "CPU: " + machine["cpu"]
+
+
+def _where_measured(prov: dict) -> str:
+    """Where an entry's steps ran; where they ran elsewhere than the machine that wrote it (a benchmark resumed from
+    their outputs), both."""
+    steps, writer = prov.get("steps_ran_on") or [], _where(prov["machine"])
+    if not steps or all(s.startswith(writer + " ") for s in steps):
+        return writer
+    return f"steps on {', '.join(steps)}; written on {writer} from their outputs"
 
 
 def _commit(commit: str) -> str:
@@ -192,7 +201,7 @@ def ptq_ranges_table(out: Path) -> str:
         select = [spread([e["ptq"][m][seed]["select"]["ap"] for seed, m in s["global_auto_choices"].items()]),
                   spread([r["select"]["ap"] for r in per_q.values()])]
         search = [r["ranges_s"] for r in per_q.values() if "ranges_s" in r]
-        rows.append(f"| {e['model']} | {e['dataset']} | {_where(e['provenance']['machine'])} | {fmt(s['fp'])} | "
+        rows.append(f"| {e['model']} | {e['dataset']} | {_where_measured(e['provenance'])} | {fmt(s['fp'])} | "
                     f"{fmt(select[0])} | {fmt(select[1])} | {fmt(s['global_auto'])} ({choices}) | "
                     f"{fmt(s['ptq'][PER_QUANTIZER])} | {fmt_difference(s['per_quantizer_vs_global_auto'])} | "
                     + (f"{min(search):.0f}-{max(search):.0f} s |" if search else "not recorded |"))
@@ -274,9 +283,13 @@ def report_run(r: dict) -> dict[str, float]:
     on select) on select and val, and where it fine-tuned in float first, the float model and PTQ of it."""
     tuned = [e["ap"] for e in r["qat"] if e.get("stage") != "float"]
     k = r["config"].get("float_epochs", 0)
+    mixed = r.get("mixed_precision")
     return {"select_best": max(tuned), "select_last": tuned[-1], "select_delivered": r["final"]["ap"],
             "val_delivered": r["val"]["final"]["ap"],
-            **({"float_select": r["qat"][k - 1]["ap"], "ptq_select": r["recalibrated"]["metrics"]["ap"]} if k else {})}
+            **({"float_select": r["qat"][k - 1]["ap"], "ptq_select": r["recalibrated"]["metrics"]["ap"]} if k else {}),
+            **({"float_select": mixed["origin_select"], "ptq_select": mixed["all_int8_select"],
+                "mixed_select": mixed["mixed_select"], "int8_share": mixed["int8_mac_share"],
+                "boundaries": mixed["boundaries"]} if mixed else {})}
 
 
 @dataclass(frozen=True)
@@ -287,6 +300,7 @@ class Cell:
     arm: str
     metric: str
     minus: tuple[object, str, str] | None = None
+    digits: int = 4
 
 
 @dataclass(frozen=True)
@@ -341,6 +355,20 @@ EXPERIMENTS = {
                Cell("QAT - control, val", "qat", "val_delivered", (None, "control", "val_delivered")),
                Cell("QAT - float model, val", "qat", "val_delivered", (None, "float model", "val"))),
         ignore=("epochs",), none="No longer run recorded yet."),
+    "max-loss": Experiment(
+        "max-loss", "{qat_epochs} x {iters} iterations, seeds {seeds}; every figure from the runs' own report.json "
+        "(the delivered model's val mAP as qat.py measured it, batch 2 x --batch-size)", "Budget (--max-loss)",
+        row_of=lambda r: "none" if r["config"]["max_loss"] is None else r["config"]["max_loss"],
+        arm_of=lambda r: "run", entry_rows=lambda e: {},
+        row_label=lambda row, e: "none (the default command, all INT8)" if row == "none" else f"{row:g}",
+        cells=(Cell("Float, select", "run", "float_select"), Cell("All-INT8 PTQ, select", "run", "ptq_select"),
+               Cell("Mixed PTQ, select", "run", "mixed_select"),
+               Cell("Mixed - float, select", "run", "mixed_select", (None, "run", "float_select")),
+               Cell("INT8 share of conv MACs", "run", "int8_share", digits=3),
+               Cell("INT8/float boundaries", "run", "boundaries", digits=1),
+               Cell("Delivered, val", "run", "val_delivered"),
+               Cell("vs the default command, val", "run", "val_delivered", ("none", "run", "val_delivered"))),
+        none="No mixed-precision run recorded yet.", order=lambda row: (-1.0, 0.0) if row == "none" else (0.0, row)),
 }
 
 
@@ -400,8 +428,8 @@ def experiment_table(out: Path, x: Experiment) -> str:
         rows["float model"] = {"float model": {"val": [e["fp"]["val"]["ap"]]}}
 
         def value(row, arm, metric):
-            values = rows[row][arm][metric] if arm != "float model" else rows["float model"][arm]["val"]
-            return spread(values, fixed=arm == "float model")
+            values = rows[row][arm].get(metric) if arm != "float model" else rows["float model"][arm]["val"]
+            return spread(values, fixed=arm == "float model") if values else None  # None: the row has no such metric
 
         s = e["settings"]
         title = x.title.format(qat_epochs=s["qat_epochs"], iters=s["iters"], n_seeds=len(e["qat"]),
@@ -414,11 +442,11 @@ def experiment_table(out: Path, x: Experiment) -> str:
             for c in x.cells:
                 v = value(row, c.arm, c.metric)
                 if c.minus is None:
-                    cells.append(fmt(v))
+                    cells.append(fmt(v, c.digits))
                 else:
                     other_row, arm, metric = c.minus
-                    cells.append(fmt_difference(difference(v, value(row if other_row is None else other_row, arm,
-                                                                     metric))))
+                    other = value(row if other_row is None else other_row, arm, metric)
+                    cells.append(fmt_difference(difference(v, other)) if v and other else "-")
             lines.append("| " + " | ".join(cells) + " |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts) if parts else x.none
