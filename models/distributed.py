@@ -124,14 +124,21 @@ def merge_histograms(states: list[tuple[np.ndarray, float, float]]) -> tuple[np.
 def data_parallel(student: nn.Module, world: World, device: torch.device) -> nn.Module:
     """The student's forward for training: DistributedDataParallel over the ranks, or the student itself.
 
-    Buffers are broadcast once, when the wrapper is built, not before every forward (DDP's default): the student's
-    buffers are its quantizers' ranges, calibrated alike on every rank and fixed while it trains (learned ranges are
-    parameters, averaged with the gradients), so a per-step broadcast of hundreds of small tensors is pure cost,
-    one only the quantized student paid (its float control has almost no buffers)."""
+    Buffers are broadcast from rank 0 once, when the wrapper is built, not before every forward (DDP's default):
+    the student's buffers are its quantizers' ranges, calibrated alike on every rank and fixed while it trains
+    (learned ranges are parameters, averaged with the gradients), so a per-step broadcast of hundreds of small
+    tensors is pure cost, one only the quantized student paid (its float control has almost no buffers). DDP's
+    `broadcast_buffers=False` would skip the one at wrapping too; torch >= 2.14 says it with
+    `forward_sync_buffers=False`, earlier versions get the broadcast here."""
     if not world.distributed:
         return student
+    import inspect
+
     from torch.nn.parallel import DistributedDataParallel
-    return DistributedDataParallel(student, device_ids=[device.index] if device.type == "cuda" else None,
-                                   broadcast_buffers=False)
-
-
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        options = {"forward_sync_buffers": False}
+    else:
+        for buffer in student.buffers():
+            dist.broadcast(buffer.data, src=0)
+        options = {"broadcast_buffers": False}
+    return DistributedDataParallel(student, device_ids=[device.index] if device.type == "cuda" else None, **options)

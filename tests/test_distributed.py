@@ -125,22 +125,45 @@ def _amax(weights):
             if q.amax is not None}
 
 
-def test_cached_training_images_give_the_same_batches(demo_data):
-    """`qat.py quantize --cache` (upstream's RAM cache of decoded, resized images) changes where the pixels come from,
-    not what they are: the same seeded batches, augmentations included, over two passes."""
+def test_cached_training_images_give_the_same_batches(demo_data, tmp_path):
+    """`qat.py quantize --cache` (upstream's cache of decoded, resized images, in RAM or as .npy files beside the
+    images) changes where the pixels come from, not what they are: the same seeded batches, augmentations included,
+    over two passes. The disk cache writes into the dataset's folder: a copy here."""
+    import shutil
     from models.pipeline import RunConfig, train_loader
     from models.task import DETECT
     from utils.batches import load_data, load_hyp, seeded_batches
-    data, hyp = load_data(demo_data), load_hyp(CHECKOUT / "data" / "hyps" / "hyp.scratch-high.yaml")
+    copy = tmp_path / "data"
+    shutil.copytree(demo_data.parent, copy)
+    yaml_file = copy / demo_data.name
+    yaml_file.write_text(yaml_file.read_text().replace(str(demo_data.parent), str(copy)))
+    data, hyp = load_data(yaml_file), load_hyp(CHECKOUT / "data" / "hyps" / "hyp.scratch-high.yaml")
     runs = {}
-    for cache in (None, "ram"):
-        cfg = RunConfig(weights="", data=str(demo_data), hyp="", imgsz=int(IMGSZ), batch_size=4, workers=0, cache=cache)
+    for cache in (None, "ram", "disk"):
+        cfg = RunConfig(weights="", data=str(yaml_file), hyp="", imgsz=int(IMGSZ), batch_size=4, workers=0,
+                        cache=cache)
         loader = train_loader(DETECT, data, cfg, hyp, augment=True)
         assert all(im is not None for im in loader.dataset.dataset.ims) == (cache == "ram")  # decoded up front
         runs[cache] = list(seeded_batches(loader, torch.device("cpu"), 8, seed=3))
-    for plain, cached in zip(runs[None], runs["ram"]):
-        assert plain.paths == cached.paths and torch.equal(plain.images, cached.images)
-        assert torch.equal(plain.targets, cached.targets)
+    assert len(list(copy.rglob("*.npy"))) == len(loader.dataset)  # one per training image
+    for cache in ("ram", "disk"):
+        for plain, cached in zip(runs[None], runs[cache]):
+            assert plain.paths == cached.paths and torch.equal(plain.images, cached.images), cache
+            assert torch.equal(plain.targets, cached.targets)
+
+
+def test_cache_from_the_command_line_changes_no_number(gelan_t_weights, demo_data, tmp_path):
+    """`qat.py quantize --cache` (RAM: the flag alone) gives the run the cache and the same numbers as without it."""
+    common = ["quantize", "--weights", gelan_t_weights, "--data", demo_data, *COMMON, "--batch-size", 4,
+              "--calib-batches", 1, "--calib-method", "max", "--epochs", 1, "--iters", 2, "--no-eval-origin",
+              "--project", tmp_path]
+    for name, extra in (("plain", []), ("cached", ["--cache"])):
+        r = _qat(*common, "--name", name, *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+    plain, cached = (json.loads((tmp_path / k / "report.json").read_text()) for k in ("plain", "cached"))
+    assert cached["config"]["cache"] == "ram" and plain["config"]["cache"] is None
+    assert [e["ap"] for e in cached["qat"]] == [e["ap"] for e in plain["qat"]] and cached["ptq"] == plain["ptq"]
+    assert [e["loss"] for e in cached["qat"]] == [e["loss"] for e in plain["qat"]]
 
 
 def test_two_process_calibration_equals_one_process(gelan_t_weights, demo_data, tmp_path):
@@ -193,13 +216,23 @@ def test_two_process_calibration_equals_one_process(gelan_t_weights, demo_data, 
 
 
 def test_two_process_qat_writes_one_report_and_resume_checks_the_world(gelan_t_weights, demo_data, tmp_path):
-    r = _torchrun("quantize", "--weights", gelan_t_weights, "--data", demo_data, *COMMON, "--batch-size", 4,
-                  "--calib-batches", 1, "--epochs", 2, "--iters", 2, "--num-image", 4, "--no-eval-origin",
-                  "--project", tmp_path, "--name", "run")
+    """With a mixed-precision budget too: rank 0 chooses the tensor classes kept in float on select, every rank
+    applies the choice it broadcasts (a rank without it fails the job), and the delivered model holds it."""
+    from conftest import TRAINED_T
+    # a trained model clipped at its median activation: PTQ far below the float model on select, so the budget
+    # makes rank 0 choose
+    r = _torchrun("quantize", "--weights", TRAINED_T, "--data", demo_data, *COMMON, "--batch-size", 4,
+                  "--calib-batches", 1, "--calib-method", "percentile", "--percentile", 50, "--epochs", 2,
+                  "--iters", 2, "--max-loss", 0, "--project", tmp_path, "--name", "run")
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # one folder: rank 1 made none of its own
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["finished"] and report["world_size"] == 2 and [e["epoch"] for e in report["qat"]] == [1, 2]
+    mixed = report["mixed_precision"]
+    assert mixed["measured"] and mixed["origin_select"] > mixed["all_int8_select"]  # it had to choose
+    delivered = load_quantized_model(report["final"]["file"])
+    assert {n for n, q in named_quantizers(delivered, activations_only=True) if q._disabled} == \
+        {c["name"] for c in mixed["kept_float"]}
     assert r.stdout.count("results saved to") + r.stderr.count("results saved to") == 1  # rank 0 alone reports
     report["finished"] = False  # as if the job had been stopped
     (tmp_path / "run" / "report.json").write_text(json.dumps(report))
@@ -227,28 +260,40 @@ def _step_in_two_processes(rank: int, port: int, out: str) -> None:
     calibrate(model, QuantRecipe(calib_method="max"), [torch.rand(2, 3, 64, 64, generator=torch.Generator()
                                                                   .manual_seed(1))])
     model.train()
+    if rank == 1:  # rank 1's ranges start elsewhere: only a broadcast makes them rank 0's
+        for name, buf in model.named_buffers():
+            if name.endswith("_amax"):
+                buf.mul_(1.25)
     x = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(10 + rank))
     runs = {}
     for name, wrap in (("default", DistributedDataParallel),
                        ("ours", lambda m: data_parallel(m, World(rank, 2, rank), torch.device("cpu")))):
         student = copy.deepcopy(model)
         ddp = wrap(student)
+        wrapped = {n: b.clone() for n, b in student.named_buffers() if n.endswith("_amax")}
         loss = sum(p.float().square().mean() for p in ddp(x))
         loss.backward()
-        runs[name] = {"loss": loss.detach(), "broadcast": ddp.broadcast_buffers,
+        runs[name] = {"loss": loss.detach(), "broadcast": ddp.broadcast_buffers, "wrapped": wrapped,
+                      "after": {n: b.clone() for n, b in student.named_buffers() if n.endswith("_amax")},
                       "grads": {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}}
     torch.save(runs, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
 
 def test_a_step_without_per_step_buffer_broadcast_equals_ddps_default(tmp_path):
-    """The student's wrapper broadcasts its buffers (the quantizers' ranges) once, not before every step: a step's
-    loss and averaged gradients equal DDP's default, which broadcasts them each time (the same sums in the same
-    order: equal within float rounding on any CPU)."""
+    """The student's wrapper broadcasts its buffers (the quantizers' ranges) once, when it wraps, not before every
+    step: rank 1, whose ranges started a quarter wider, holds rank 0's from the wrap on and after the step (a range
+    that drifted apart would show here), and a step's loss and averaged gradients equal DDP's default, which
+    broadcasts them each time (the same sums in the same order: equal within float rounding on any CPU)."""
     import torch.multiprocessing as mp
     mp.start_processes(_step_in_two_processes, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     runs = [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
     assert [(r["ours"]["broadcast"], r["default"]["broadcast"]) for r in runs] == [(False, True)] * 2
+    ranges = runs[0]["ours"]["wrapped"]
+    assert len(ranges) > 100
+    for when in ("wrapped", "after"):
+        assert all(torch.equal(runs[1]["ours"][when][n], a) for n, a in ranges.items()), when
+        assert all(torch.equal(runs[0]["ours"][when][n], a) for n, a in ranges.items()), when
     for r in runs:
         ours, default = r["ours"], r["default"]
         assert torch.allclose(ours["loss"], default["loss"], rtol=1e-6)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 from conftest import CHECKOUT, build_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.checkpoint import read_checkpoint, save_checkpoint
 from models.pipeline import CONTROL_PARTS, controlled_quantizers
@@ -219,42 +220,83 @@ def test_recipe_refuses_meaningless_settings(bad):
         QATRecipe(**bad)
 
 
-HOST_READS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__")
-UPSTREAM_LOSS = ("utils/loss_tal.py", "utils/segment/loss_tal.py", "utils/tal/assigner.py")
+# upstream files whose reads are upstream's (its detection loss and the anchors it builds for it)
+UPSTREAM_LOSS = ("utils/loss_tal.py", "utils/segment/loss_tal.py", "utils/tal/assigner.py", "utils/tal/anchor_generator.py")
+# The operators that hand a value to the host, or whose result's size depends on values (so the host must wait for
+# them on a GPU): whatever Python spelling reached them (.item(), float(), bool(), `if t:`, torch.equal,
+# torch.allclose, boolean-mask indexing, .nonzero(), .tolist()).
+SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique", "tolist")
 
 
-def _host_reads(step, monkeypatch) -> list[str]:
-    """Where `step()` copies tensor values to the host (each a wait on the GPU): the file of every frame that calls
-    one of HOST_READS, relative to the checkout, or 'torch.optim' for the optimizer's own step counters (torch
-    keeps them on the host by design: reading them waits for nothing)."""
-    import traceback
-    reads = []
-    for name in HOST_READS:
-        original = getattr(torch.Tensor, name)
+class _HostReads(TorchDispatchMode):
+    """Every host read during a block: the synchronising operators above at the dispatcher, and copies to the CPU
+    (`.to("cpu")`, `.cpu()`, `.numpy()`, `.tolist()`: no-ops for a CPU tensor, so caught where they are called). Each
+    is named by
+    the first frame of this toolkit's checkout that caused it ('torch.optim' for the optimizer's own step
+    counters, which torch keeps on the host by design), with the line's text."""
 
-        def counted(self, *a, _f=original, **k):
-            caller = Path(traceback.extract_stack(limit=2)[0].filename)
-            reads.append("torch.optim" if "torch/optim" in caller.as_posix() else
-                         caller.relative_to(CHECKOUT).as_posix() if caller.is_relative_to(CHECKOUT) else str(caller))
-            return _f(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    try:
-        step()
-    finally:
-        monkeypatch.undo()
-    return reads
+    def __init__(self):
+        super().__init__()
+        self.reads: list[tuple[str, str]] = []
+
+    def note(self):
+        import traceback
+        frames = traceback.extract_stack()[:-2]
+        if any("torch/optim" in Path(f.filename).as_posix() for f in frames):
+            self.reads.append(("torch.optim", ""))
+            return
+        for f in reversed(frames):
+            path = Path(f.filename)
+            if path.is_relative_to(CHECKOUT) and "torch" not in path.parts:
+                self.reads.append((path.relative_to(CHECKOUT).as_posix(), (f.line or "").strip()))
+                return
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        bool_index = name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                             for i in (args[1] if len(args) > 1 else ()) or ())
+        if name in SYNC_OPS or bool_index:
+            self.note()
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self.patched = []
+        for name in ("to", "cpu", "numpy", "tolist"):
+            original = getattr(torch.Tensor, name)
+
+            def wrapped(t, *a, _f=original, _name=name, **k):
+                # .to("cpu") spelled out; .to(images.device) moves to the compute device (the CPU here, too)
+                to_host = _name != "to" or "cpu" in (*a, *k.values())
+                if to_host:
+                    self.note()
+                return _f(t, *a, **k)
+            setattr(torch.Tensor, name, wrapped)
+            self.patched.append((name, original))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self.patched:
+            setattr(torch.Tensor, name, original)
+        return super().__exit__(*exc)
 
 
-def test_a_step_reads_nothing_back_to_the_host_but_upstreams_loss(ptq_pair, monkeypatch):
-    """After the first step (where each quantizer computes its scale once from its amax), a QAT step of the default
-    recipe copies no value to the host in this toolkit's code (quantizers, distillation, the step, the losses kept
-    on the device): the only reads are upstream's detection loss (its target count and foreground checks, a few per
-    step) and torch.optim's host-resident step counters."""
+def test_an_epoch_reads_nothing_back_to_the_host_but_its_losses_once(ptq_pair):
+    """After the first epoch (where each quantizer computes its scale once from its amax), an epoch of QAT steps of
+    the default recipe (no progress bar) reads nothing back to the host in this toolkit's code but each loss part's
+    sum once, at its end: the reads left are upstream's detection loss (its target count and foreground checks, a
+    few per step) and torch.optim's host-resident step counters. Traced at the dispatcher, so any spelling of a
+    read counts (a boolean mask, .to("cpu"), torch.equal), not only the methods one thought of."""
+    import inspect
     model, teacher = copy.deepcopy(ptq_pair[0]).train(), ptq_pair[1]
-    images, targets = _images(2), _targets()
+    images, targets = _images(3), _targets()
+    batches = [(im, targets, None) for im in images]
     with QATObjective(RECIPES["default"], model, teacher, _hyp()) as objective:
-        tuner = FineTuner(objective, epochs=1, iters=2, amp=False)
-        tuner.step(images[0], targets, None)
-        reads = _host_reads(lambda: tuner.step(images[1], targets, None), monkeypatch)
-    ours = [r for r in reads if r != "torch.optim" and r not in UPSTREAM_LOSS]
-    assert ours == [] and any(r in UPSTREAM_LOSS for r in reads)  # the count sees the reads it is meant to see
+        tuner = FineTuner(objective, epochs=2, iters=2, amp=False)
+        tuner.epoch(batches[:1], "")
+        with _HostReads() as traced:
+            losses = tuner.epoch(batches[1:], "")
+    source, start = inspect.getsourcelines(FineTuner.epoch)
+    closing = next(line.strip() for line in source if line.strip().startswith("return {k: float(v)"))
+    ours = [r for r in traced.reads if r[0] != "torch.optim" and r[0] not in UPSTREAM_LOSS]
+    assert ours == [("models/finetune.py", closing)] * len(losses), ours
+    assert any(r[0] in UPSTREAM_LOSS for r in traced.reads)  # the trace sees the reads it is meant to see

@@ -65,18 +65,20 @@ def test_kept_float_tensor_classes_export_lint_clean_and_named(ptq_model, tmp_pa
     dfl = sum(v for k, v in macs.items() if ".dfl." in k)  # float by design in every build
     assert int8_mac_share(model, IMGSZ) == pytest.approx(1 - (sum(c.macs for c in chosen) + dfl) / sum(macs.values()))
     weights = save_checkpoint(model, tmp_path / "mixed.pt")
-    opt = export_qat.parse_opt(["--weights", str(weights), "--include", "onnx", "--imgsz", str(IMGSZ),
-                                "--dtype", "fp32"])
-    result = export_qat.run(**vars(opt))
-    proto = onnx.load(result["onnx"])
-    named = json.loads({p.key: p.value for p in proto.metadata_props}[FLOAT_LAYERS_KEY])
-    assert sorted(module_of(n) for n in named) == sorted(convs)
-    assert all(model.get_submodule(module_of(n.name)) is not None for n in proto.graph.node if n.op_type == "Conv")
-    report = lint_file(result["onnx"])
-    assert report.problems == 0 and report.unquantized_convs == [] and sorted(report.intended_float) == sorted(named)
-    assert len(report.boundaries) >= len(chosen)
-    unnamed = lint(proto, kept_float=())  # the same graph without the metadata: the float convs are problems
-    assert len(unnamed.unquantized_convs) == len(convs)
+    # the FP32 graph, the default FP16 one (TensorRT 11's) and the end-to-end one (NMS inside) all name them
+    for flags in (["--include", "onnx", "--dtype", "fp32"], ["--include", "onnx", "--exist-ok"],
+                  ["--include", "onnx_end2end"]):
+        opt = export_qat.parse_opt(["--weights", str(weights), "--imgsz", str(IMGSZ), *flags])
+        result = export_qat.run(**vars(opt))
+        proto = onnx.load(result["onnx"])
+        named = json.loads({p.key: p.value for p in proto.metadata_props}[FLOAT_LAYERS_KEY])
+        assert sorted(module_of(n) for n in named) == sorted(convs), flags
+        assert all(model.get_submodule(module_of(n.name)) is not None for n in proto.graph.node if n.op_type == "Conv")
+        report = lint_file(result["onnx"])
+        assert report.problems == 0 and report.unquantized_convs == [] and sorted(report.intended_float) == sorted(named)
+        assert len(report.boundaries) >= len(chosen), flags
+        unnamed = lint(proto, kept_float=())  # the same graph without the metadata: the float convs are problems
+        assert len(unnamed.unquantized_convs) == len(convs), flags
 
 
 def _scored(model, candidates, gains, base):
@@ -120,6 +122,32 @@ def test_choose_keeps_the_cheapest_set_that_reaches_the_budget(ptq_model):
     record, mixed = choose_float_set(model, candidates, plan, origin=0.5, ptq=0.4995,
                                      **_measured(lambda d: calls.append(d) or 0.0), run=run)
     assert record["reached"] and record["kept_float"] == [] and calls == [] and mixed is None
+
+
+def test_only_the_shortlist_is_measured_cheap_wins_and_large_ones_alternately(ptq_model):
+    """8 candidates, 4 measured: the output error each removes is known (the forward's output grows by a candidate's
+    error while its quantizers are on), so the shortlist is known: alternately the most error removed per MAC and
+    the most removed overall. A ranking by the least error removed, or by one of the two alone, measures others."""
+    model = copy.deepcopy(ptq_model)
+    candidates = float_candidates(model, IMGSZ)[:8]
+    # the more MACs, the more error, but less per MAC: the two rankings run in opposite directions
+    by_macs = sorted(candidates, key=lambda c: c.macs)
+    assert by_macs[-1].macs > 4 * by_macs[0].macs
+    errors = [0.1 * (1 + by_macs.index(c)) for c in candidates]
+    on = lambda c: not model.get_submodule(c.name)._disabled  # noqa: E731
+
+    def run():  # the outputs; with every quantizer off (the reference) the candidates add nothing
+        return {"output0": torch.tensor([[1.0 + sum(e for c, e in zip(candidates, errors) if on(c))]])}
+    total = sum(errors)
+    removed = {c.name: total ** 2 - (total - e) ** 2 for c, e in zip(candidates, errors)}
+    per_mac = sorted(candidates, key=lambda c: removed[c.name] / c.macs, reverse=True)
+    overall = sorted(candidates, key=lambda c: removed[c.name], reverse=True)
+    want = list(dict.fromkeys(c.name for pair in zip(per_mac, overall) for c in pair))[:4]
+    assert want != [c.name for c in per_mac[:4]] and want != [c.name for c in overall[:4]]  # both rankings matter
+    record, _ = choose_float_set(model, candidates, MixedPrecision(max_loss=0.001, measured=4), origin=0.5, ptq=0.49,
+                                 **_measured(_scored(model, candidates, [0.0] * 8, 0.49)), run=run)
+    assert list(record["measured"]) == want
+    assert not record["reached"] and record["kept_float"] == []  # nothing gained: nothing kept
 
 
 def test_quantize_max_loss_names_float_layers_and_exports_clean(demo_data320, tmp_path):

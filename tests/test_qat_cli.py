@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 from conftest import IMGSZ, TRAINED_T, build_model, call_cli, run_cli, save_float_checkpoint
 
+from models.checkpoint import load_quantized_model
+from models.quantize import named_quantizers
+
 COMMON = ["--imgsz", IMGSZ, "--batch-size", 4, "--device", "cpu", "--workers", 0]
 
 
@@ -48,15 +51,20 @@ def test_quantize_writes_models_report_and_table(quantize_run):
 
 
 def test_auto_keeps_the_best_candidate_and_best_of_never_ships_worse(quantize_run, demo_data320):
-    """`auto` (the default) measured all six candidate ranges on the select split and kept the best; the delivered
-    model is the best on select of the PTQ model and every QAT epoch; the select images were never calibrated or
-    fine-tuned on."""
+    """`auto` (the default) measured all seven candidate ranges on the select split and kept the best; the
+    per-quantizer candidate recorded each activation quantizer's pick among the six others, from the first
+    calibration images; the delivered model is the best on select of the PTQ model and every QAT epoch; the select
+    images were never calibrated or fine-tuned on."""
     save_dir, _ = quantize_run
     report = json.loads((save_dir / "report.json").read_text())
     cal = report["calibration"]
     assert report["config"]["quant"]["calib_method"] == "auto"
-    assert list(cal["candidates"]) == ["max", "mse", "entropy", "percentile-99.9", "percentile-99.99",
-                                       "percentile-99.999"]
+    one_rule = ["max", "mse", "entropy", "percentile-99.9", "percentile-99.99", "percentile-99.999"]
+    assert list(cal["candidates"]) == [*one_rule, "per-quantizer"]
+    picks = cal["per_quantizer"]
+    assert picks["images"] == 8 and len(picks["methods"]) == report["quantizers"]["activation"]
+    assert set(picks["methods"].values()) <= set(one_rule) and len(set(picks["methods"].values())) > 1
+    assert sum(picks["counts"].values()) == len(picks["methods"])
     assert cal["chosen"] == max(cal["candidates"], key=cal["candidates"].get)
     assert report["ptq"]["ap"] + report["ptq"].get("mask_ap", 0) == pytest.approx(cal["candidates"][cal["chosen"]])
     assert len(set(cal["candidates"].values())) > 1  # the candidates really differ: the choice is not a tie
@@ -153,12 +161,12 @@ def test_float_control_parts_parse_and_old_reports_resume(gelan_t_weights, demo_
 
 def test_float_epochs_are_the_controls_then_qat_continues_from_a_new_calibration(demo_data320, tmp_path):
     """--float-epochs 1 of 2: epoch 1 is the float control's epoch 1 (same loss, same select mAP: one schedule, the
-    same data); then every quantizer is on again with ranges calibrated anew on the fine-tuned weights (auto, the
-    same images), offered like the first PTQ model; QAT continues from it; the float epoch is never delivered."""
+    same data); then every quantizer is on again with ranges calibrated anew on the fine-tuned weights (the run's
+    method, the same images), offered like the first PTQ model; QAT continues from it; the float epoch is never delivered."""
     from models.checkpoint import read_checkpoint
     from models.quantize import named_quantizers
     args = ["quantize", "--weights", TRAINED_T, "--data", demo_data320, *TRAINED_RUN, "--epochs", 2, "--iters", 2,
-            "--calib-batches", 2, "--project", tmp_path]
+            "--calib-batches", 2, "--calib-method", "mse", "--project", tmp_path]
     runs = {}
     for name, extra in (("first", ["--float-epochs", 1]), ("control", ["--float-control"])):
         r = run_cli("qat.py", *args, "--name", name, *extra)
@@ -184,21 +192,49 @@ def test_float_epochs_are_the_controls_then_qat_continues_from_a_new_calibration
     assert report["qat_best"]["epoch"] == 2
 
 
-def test_sensitive_measures_every_tensor_class_on_select(gelan_t_weights, demo_data, tmp_path):
+def test_sensitive_measures_every_tensor_class_on_select(demo_data320, tmp_path):
     """The costs `--max-loss` measures, for every candidate (an INT8 tensor class and the convs reading it), on the
-    select split carved from the training images (the calibration images come from the rest)."""
-    r = run_cli("qat.py", "sensitive", "--weights", gelan_t_weights, "--data", demo_data, *COMMON,
-                "--calib-batches", 1, "--calib-method", "max", "--num-image", 4, "--project", tmp_path, "--name", "s")
+    select split carved from the training images (the calibration images come from the rest), with the trained
+    demo gelan-t: the float model's select mAP is the one val_trt.py measures on exactly the select images (not
+    on val: 8 images against 100), and keeping tensor classes in float moves the score (costs of both signs)."""
+    r = run_cli("qat.py", "sensitive", "--weights", TRAINED_T, "--data", demo_data320, "--imgsz", 320,
+                "--batch-size", 4, "--device", "cpu", "--workers", 0, "--calib-batches", 2, "--calib-method", "max",
+                "--project", tmp_path, "--name", "s")
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "s" / "summary-sensitive-analysis.json").read_text())
     assert summary["select"]["source"] == "train" and summary["select"]["fit_images"] > 0
-    assert (tmp_path / "s" / "split" / "select.txt").is_file()
+    select = tmp_path / "s" / "split" / "select.txt"
+    assert len(select.read_text().split()) == summary["select"]["images"] == 8
     candidates = summary["candidates"]
     assert len(candidates) > 100 and {d["layer"] for d in candidates} >= {0, 22}
     costs = [d["cost"] for d in candidates]
     assert costs == sorted(costs, reverse=True) and sum(d["mac_share"] for d in candidates) == pytest.approx(1, abs=1e-3)
+    assert costs[0] > 0 > costs[-1] and summary["baseline_ptq"]["ap"] != summary["origin_select"]["ap"]
+    data = tmp_path / "select.yaml"
+    data.write_text(f"path: {tmp_path}\ntrain: {select}\nval: {select}\nnc: 12\nnames: {list(range(12))}\n")
+    r = call_cli("val_trt.py", "--weights", TRAINED_T, "--data", data, "--imgsz", 320, "--batch-size", 8,
+                 "--device", "cpu", "--workers", 0, "--project", tmp_path, "--name", "fp")
+    assert r.returncode == 0, r.stderr[-2000:]
+    independent = json.loads((tmp_path / "fp" / "val_trt.json").read_text())
+    # a float model (no rounding to flip); another batch size moves the convolutions' last bits at most
+    assert independent["ap"] == pytest.approx(summary["origin_select"]["ap"], abs=1e-3)
     assert (tmp_path / "s" / "sensitive-analysis.png").stat().st_size > 1000
     assert "| Rank | Tensor class" in summary["table"]
+
+
+@pytest.mark.parametrize("choice", ["--select-data", "--no-select"])
+def test_sensitive_takes_the_select_split_it_is_given(choice, gelan_t_weights, demo_data, tmp_path):
+    """`--select-data D` measures on D's val images (the training images are not split); `--no-select` on the val
+    images themselves, and says so."""
+    extra = ["--select-data", demo_data] if choice == "--select-data" else ["--no-select"]
+    r = run_cli("qat.py", "sensitive", "--weights", gelan_t_weights, "--data", demo_data, *COMMON, "--calib-batches",
+                1, "--calib-method", "max", "--project", tmp_path, "--name", "s", *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "s" / "summary-sensitive-analysis.json").read_text())
+    assert summary["select"]["source"] == {"--select-data": "select-data", "--no-select": "val"}[choice]
+    assert summary["select"]["images"] == 12  # demo_data's 12 val images, whichever way they were named
+    if choice == "--no-select":
+        assert "optimistic" in r.stderr + r.stdout
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +244,8 @@ def dual_weights(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["missing_weights", "missing_data", "training_weights", "eval_float",
                                   "sensitive_quantized", "bad_regex", "bad_imgsz", "not_a_checkpoint",
-                                  "missing_select_data", "bad_select_fraction"])
+                                  "missing_select_data", "bad_select_fraction", "max_loss_negative",
+                                  "max_loss_with_control", "max_loss_with_float_epochs"])
 def test_bad_input_is_one_clear_error(case, gelan_t_weights, demo_data, dual_weights, quantize_run, tmp_path):
     best = quantize_run[0] / "weights" / "qat_best_gelan-t-demo.pt"
     junk = tmp_path / "junk.pt"
@@ -229,6 +266,11 @@ def test_bad_input_is_one_clear_error(case, gelan_t_weights, demo_data, dual_wei
                                 "--select-data"),
         "bad_select_fraction": (["quantize", "--weights", gelan_t_weights, *base, "--select-fraction", 1.5],
                                 "--select-fraction"),
+        "max_loss_negative": (["quantize", "--weights", gelan_t_weights, *base, "--max-loss", -0.01], "--max-loss"),
+        "max_loss_with_control": (["quantize", "--weights", gelan_t_weights, *base, "--max-loss", 0.01,
+                                   "--float-control"], "--max-loss"),
+        "max_loss_with_float_epochs": (["quantize", "--weights", gelan_t_weights, *base, "--max-loss", 0.01,
+                                        "--epochs", 2, "--float-epochs", 1], "--max-loss"),
     }[case]
     r = call_cli("qat.py", *args)
     assert r.returncode != 0
@@ -240,7 +282,9 @@ def test_bad_input_is_one_clear_error(case, gelan_t_weights, demo_data, dual_wei
 # --------------------------------------------------------------------------------------------------
 # Resume, interruption, checkpoint trust, inputs that would make the result meaningless, permissions
 # --------------------------------------------------------------------------------------------------
-TINY = [*COMMON, "--epochs", 2, "--iters", 2, "--calib-batches", 1, "--num-image", 4, "--no-eval-origin"]
+# a fixed calibration method: auto's search is not what these tests are about (test_auto_... is)
+TINY = [*COMMON, "--epochs", 2, "--iters", 2, "--calib-batches", 1, "--num-image", 4, "--no-eval-origin",
+        "--calib-method", "mse"]
 
 
 def _popen(*args):
@@ -271,18 +315,25 @@ def _wait_for(pattern_dir, glob, proc, timeout=600):
 
 def _summary(run_dir):
     report = json.loads((run_dir / "report.json").read_text())
+    mixed = {k: v for k, v in report.get("mixed_precision", {}).items() if k != "seconds"}
     return (sorted(p.name for p in (run_dir / "weights").iterdir()),
             [(e["epoch"], e["ap"], e["loss"]) for e in report["qat"]], report["qat_best"]["epoch"],
             report["select"], report["calibration"]["chosen"], report["calibration"]["candidates"],
-            {k: report["final"][k] for k in ("stage", "epoch", "ap")})
+            {k: report["final"][k] for k in ("stage", "epoch", "ap")}, mixed)
 
 
-def test_killed_run_resumes_to_the_same_result(gelan_t_weights, demo_data, tmp_path):
+# the budget with the trained model clipped at its median activation: PTQ far below the float model on select, so
+# the run has to choose
+@pytest.mark.parametrize("budget", [[], ["--max-loss", 0, "--calib-method", "percentile", "--percentile", 50,
+                                         "--num-image", 12]], ids=["all-int8", "max-loss"])
+def test_killed_run_resumes_to_the_same_result(budget, gelan_t_weights, demo_data, tmp_path):
     """SIGKILL after the first QAT epoch, then --resume: the same files and numbers as an uninterrupted run
     (each epoch's data order and augmentation are seeded by the epoch), the same select split, calibration choice
-    and delivered model, no temp files left behind."""
+    and delivered model, no temp files left behind. With `--max-loss 0` the tensor classes kept in float too: the
+    resumed run keeps the choice it made, with the same classes in float, rather than choosing again."""
     import signal
-    args = ["quantize", "--weights", gelan_t_weights, "--data", demo_data, *TINY, "--project", tmp_path]
+    args = ["quantize", "--weights", TRAINED_T if budget else gelan_t_weights, "--data", demo_data, *TINY, *budget,
+            "--project", tmp_path]
     full = run_cli("qat.py", *args, "--name", "full")
     assert full.returncode == 0, full.stderr[-3000:]
     proc = _popen(*args, "--name", "killed")
@@ -298,6 +349,12 @@ def test_killed_run_resumes_to_the_same_result(gelan_t_weights, demo_data, tmp_p
     assert not list((tmp_path / "killed").rglob("*.tmp")) and not list((tmp_path / "killed").rglob("qat_state.pt"))
     again = run_cli("qat.py", "quantize", "--resume", tmp_path / "killed", "--device", "cpu")
     assert again.returncode == 2 and "nothing to resume" in again.stderr
+    if budget:  # the choice was made (the all-INT8 PTQ is below the float model) and the delivered file holds it
+        mixed = json.loads((tmp_path / "killed" / "report.json").read_text())["mixed_precision"]
+        assert mixed["measured"] and mixed["max_loss"] == 0
+        delivered = load_quantized_model(tmp_path / "killed" / "weights" / "best_gelan-t-demo.pt")
+        kept = {c["name"] for c in mixed["kept_float"]}
+        assert {n for n, q in named_quantizers(delivered, activations_only=True) if q._disabled} == kept
 
 
 def test_ctrl_c_says_how_to_resume(gelan_t_weights, demo_data, tmp_path):

@@ -129,57 +129,86 @@ def test_patch_with_a_relative_target_from_another_folder(tmp_path):
     shutil.rmtree(tmp_path / "work")
 
 
-def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights, demo_data, tmp_path):
-    """The accuracy benchmark's whole path at tiny size: the select split (the one qat.py carves itself), PTQ per
-    method and seed, the choice on select, the default command (auto, QAT, best-of) and its float control per
-    seed, the deployed graphs in ONNX Runtime, an entry with provenance and every per-seed number; a second run
-    reruns nothing, the rendered tables pass --check, and nothing is written outside --work and --out."""
+@pytest.fixture(scope="module")
+def benchmark(demo_data, tmp_path_factory):
+    """The accuracy benchmark's whole path at tiny size, once, with the trained demo gelan-t (its mAPs are not 0:
+    every comparison below compares real numbers): 2 seeds, the default command with its float control and its
+    --max-loss 0 variant, one recipe variant; with Model Optimizer's PTQ where nvidia-modelopt is installed."""
     import importlib.util
-    out, work = tmp_path / "results", tmp_path / "work"
+    from conftest import TRAINED_T
+    tmp = tmp_path_factory.mktemp("bench")
     modelopt = importlib.util.find_spec("modelopt") is not None
-    args = ["--dataset", "demo", "--models", f"gelan-t={gelan_t_weights}", "--data", demo_data, "--imgsz", IMGSZ,
+    args = ["--dataset", "demo", "--models", f"gelan-t={TRAINED_T}", "--data", demo_data, "--imgsz", IMGSZ,
             "--batch-size", 4, "--device", "cpu", "--workers", 0, "--seeds", 0, 1, "--methods", "max", "mse",
-            "--qat-epochs", 1, "--iters", 1, "--calib-batches", 1, "--jobs", 2, "--ort-seeds", 1, "--work", work,
-            "--out", out, "--ablation", "det-3", *(["--modelopt"] if modelopt else [])]
+            "--qat-epochs", 1, "--iters", 1, "--calib-batches", 1, "--jobs", 2, "--ort-seeds", 1, "--max-loss", 0,
+            "--work", tmp / "work", "--out", tmp / "results", "--ablation", "det-3",
+            *(["--modelopt"] if modelopt else [])]
     r = run_cli("scripts/benchmark_accuracy.py", *args, timeout=1500)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    e = json.loads((out / "demo" / "gelan-t" / "entry.json").read_text())
+    entry = json.loads((tmp / "results" / "demo" / "gelan-t" / "entry.json").read_text())
+    return tmp, args, entry, modelopt
+
+
+def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(benchmark, demo_data):
+    """The select split (the one qat.py carves itself), every calibration candidate per seed from the default
+    command's one calibration, the choice on select, the default command (auto, QAT, best-of), its float control and
+    its --max-loss variant per seed, the deployed graphs in ONNX Runtime, an entry with provenance and every per-seed
+    number; a second run reruns nothing, the rendered tables pass --check, and nothing is written outside --work and
+    --out."""
+    from conftest import TRAINED_T
+    tmp, args, e, modelopt = benchmark
+    out, work = tmp / "results", tmp / "work"
     split = yaml.safe_load((work / "demo" / "split" / "split.yaml").read_text())
     prov = e["provenance"]
     assert prov["seeds"] == [0, 1] and prov["split"]["fingerprint"] == split["split"]["fingerprint"]
-    assert prov["weights_sha256"] == hashlib.sha256(gelan_t_weights.read_bytes()).hexdigest()
+    assert prov["weights_sha256"] == hashlib.sha256(TRAINED_T.read_bytes()).hexdigest()
     assert prov["command"].endswith("--ablation det-3" + (" --modelopt" if modelopt else ""))
-    assert len(prov["commit"]) >= 7 and prov["machine"]["torch"]
+    assert len(prov["commit"]) >= 7 and prov["machine"]["torch"] and prov["steps_ran_on"] == [
+        f"CPU (torch {prov['machine']['torch']})"]  # the steps' own logs: where they ran
     # the choice is the method with the best mean on select, whatever val says
     means = {m: sum(r["select"]["ap"] for r in runs.values()) / 2 for m, runs in e["ptq"].items()}
-    assert e["ptq_choice"] == max(means, key=means.get)
+    assert e["ptq_choice"] == max(means, key=means.get) and set(e["ptq"]) == {"max", "mse"}
+    assert all(r["val"]["ap"] > 0 for runs in e["ptq"].values() for r in runs.values())
+    reports = {s: json.loads((work / "demo" / "gelan-t" / f"qat-seed{s}" / "report.json").read_text()) for s in (0, 1)}
+    for m, runs in e["ptq"].items():  # each row is the default command's candidate, as measured in the run
+        for s, row in runs.items():
+            assert row["select"] == reports[int(s)]["calibration"]["saved"][m]["metrics"]
+            assert row["select"]["ap"] == reports[int(s)]["calibration"]["candidates"][m]
     # each seed calibrated on its own sample of the fit images, never on select or val
     fit = {Path(f).name for f in (work / "demo" / "split" / "fit.txt").read_text().split()}
-    samples = [json.loads((work / "demo" / "gelan-t" / f"ptq-max-seed{s}" / "report.json").read_text())
-               ["calibration_images"] for s in (0, 1)]
+    samples = [reports[s]["calibration_images"] for s in (0, 1)]
     assert all(set(names) <= fit for names in samples) and samples[0] != samples[1]
     from models.pipeline import RunConfig, calibration_sample
     from models.quantize import QuantRecipe
     from models.task import DETECT
     for seed, names in enumerate(samples):  # drawn again from the sampler alone, as --add-peer does
-        cfg = RunConfig(str(gelan_t_weights), str(demo_data), "", imgsz=IMGSZ, batch_size=4, workers=0, seed=seed,
+        cfg = RunConfig(str(TRAINED_T), str(demo_data), "", imgsz=IMGSZ, batch_size=4, workers=0, seed=seed,
                         quant=QuantRecipe(calib_batches=1))
         assert calibration_sample(DETECT, work / "demo" / "split" / "fit.txt", cfg) == names
-    for kind in ("qat", "fp_ft"):
+    for kind in ("qat", "fp_ft", "mixed"):
         assert set(e[kind]) == {"0", "1"} and all(r["best_epoch"] == 1 for r in e[kind].values())
     assert e["qat"]["0"]["recipe"]["distill"] == "head"
+    for s, r in e["mixed"].items():  # the budget variant: its choice, from the same PTQ, and what it costs the engine
+        mp = r["mixed_precision"]
+        assert mp["max_loss"] == 0 and 0 < mp["int8_mac_share"] <= 1 and mp["lint_problems"] == 0
+        assert mp["all_int8_select"] == reports[int(s)]["ptq"]["ap"] and mp["origin_select"] == e["fp"]["select"]["ap"]
+        assert len(mp["float_convs"]) == len({c for k in mp["kept_float"] for c in k["convs"]})
     assert set(e["ort"]) == {"fp32", "fp16"} and e["ort"]["fp32"]["0"]["lint"]["unshared_joins"] == 0
     assert all(set(runs) == {"0"} for runs in e["ort"].values())  # --ort-seeds 1: the first seed's graphs only
     assert all(r["train_img_s"] > 0 for r in e["qat"].values())
-    # the deployed graph is the delivered checkpoint of its seed: compared with that one in PyTorch
+    # the deployed graph is the delivered checkpoint of its own seed (seeds deliver different models here)
+    assert e["qat"]["0"]["val_final"]["ap"] != e["qat"]["1"]["val_final"]["ap"]
     assert s_ort_delta(e) == pytest.approx(e["ort"]["fp32"]["0"]["val"]["ap"] - e["qat"]["0"]["val_final"]["ap"],
                                            abs=1e-5)
     s = e["summary"]
     assert s["qat_best"]["values"] == [e["qat"][k]["val_best"]["ap"] for k in ("0", "1")]
     assert s["quantization_cost"]["delta"] == pytest.approx(s["final"]["mean"] - s["fp_ft_best"]["mean"], abs=1e-5)
+    assert s["mixed_int8_share"]["values"] == [e["mixed"][k]["mixed_precision"]["int8_mac_share"] for k in ("0", "1")]
+    rendered = (out / "accuracy.md").read_text()
+    assert "Delivered with --max-loss 0 (convs kept in float per seed:" in rendered
     for k, r in e["qat"].items():  # the default command: auto chose its best candidate, delivered its best stage
         assert r["auto"]["chosen"] == max(r["auto"]["candidates"], key=r["auto"]["candidates"].get)
-        report = json.loads((work / "demo" / "gelan-t" / f"qat-seed{k}" / "report.json").read_text())
+        report = reports[int(k)]
         assert report["select"]["fingerprint"] == split["split"]["fingerprint"]["select"]
         stages = [report["ptq"]["ap"]] + [ep["ap"] for ep in report["qat"]]
         assert report["final"]["ap"] == max(stages)
@@ -187,32 +216,12 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights
     # the ablation: the default row is the default command's own runs, each variant judged on select only
     a = json.loads((out / "demo" / "gelan-t" / "ablation.json").read_text())
     assert list(a["variants"]) == ["default", "det-3"]
-    assert a["variants"]["default"]["select_best"]["values"] == [
-        json.loads((work / "demo" / "gelan-t" / f"qat-seed{k}" / "report.json").read_text())["qat_best"]["ap"]
-        for k in ("0", "1")]
+    assert a["variants"]["default"]["select_best"]["values"] == [reports[k]["qat_best"]["ap"] for k in (0, 1)]
     det3 = json.loads((work / "demo" / "gelan-t" / "ablation-det-3-seed0" / "report.json").read_text())
     assert det3["config"]["qat"]["det_loss"] == 3 and det3["select"]["fingerprint"] == report["select"]["fingerprint"]
     assert a["variants"]["det-3"]["select_last"]["values"][0] == det3["qat"][-1]["ap"]
-    if modelopt:  # the peer calibrated on the very images ours did, and its joins are counted by our lint
-        assert e["modelopt"]["max"]["1"]["calibration_sample"] == e["ptq"][e["ptq_choice"]]["1"]["calibration_sample"]
-        assert e["modelopt"]["max"]["0"]["lint"]["unshared_joins"] > 0 == e["ours_lint"]["unshared_joins"]
-        # added to an entry made without it, its run folders gone: the same peer, its provenance recorded
-        bare = {k: v for k, v in e.items() if k not in ("modelopt", "modelopt_choice", "ours_lint")}
-        (out / "demo" / "gelan-t" / "entry.json").write_text(json.dumps(bare))
-        gone = tmp_path / "gone"
-        shutil.move(work / "demo" / "gelan-t", gone)
-        r = run_cli("scripts/benchmark_accuracy.py", *[a for a in args if a not in ("--modelopt",)], "--add-peer")
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        added = json.loads((out / "demo" / "gelan-t" / "entry.json").read_text())
-        assert {m: {s: v["val"] for s, v in runs.items()} for m, runs in added["modelopt"].items()} == \
-            {m: {s: v["val"] for s, v in runs.items()} for m, runs in e["modelopt"].items()}
-        assert added["ours_lint"] == e["ours_lint"], (added["ours_lint"], e["ours_lint"])
-        assert added["provenance"]["peer"]["command"].endswith("--add-peer")
-        shutil.rmtree(work / "demo" / "gelan-t")
-        shutil.move(gone, work / "demo" / "gelan-t")
-        (out / "demo" / "gelan-t" / "entry.json").write_text(json.dumps(e))
     assert "final_file" not in json.dumps(e) and "calibration_images" not in json.dumps(e)  # no machine-local paths
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["results", "work"]  # nothing beside --out and --work
+    assert sorted(p.name for p in tmp.iterdir()) == ["results", "work"]  # nothing beside --out and --work
     again = call_cli("scripts/benchmark_accuracy.py", *args)
     assert again.returncode == 0
     assert not [line for line in again.stdout.splitlines() if line.startswith("+ ")]  # no step ran again
@@ -231,6 +240,36 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(gelan_t_weights
     table.write_text("no block\n")  # a file whose markers went: one line naming it, nothing rewritten
     r = call_cli("scripts/benchmark_accuracy.py", "--render", "--out", out)
     assert r.returncode != 0 and str(table) in r.stderr and table.read_text() == "no block\n"
+    table.write_text(rendered)
+
+
+def test_benchmark_peer_calibrates_on_our_images_and_is_added_to_an_entry_later(benchmark):
+    """Model Optimizer's PTQ beside ours: calibrated on the very images ours did, its joins counted by our lint; added
+    with --add-peer to an entry made without it whose run folders are gone, the same rows and provenance."""
+    tmp, args, e, modelopt = benchmark
+    if not modelopt:
+        pytest.skip("nvidia-modelopt is not installed (./install_dependencies.sh --modelopt): the peer is optional")
+    out, work = tmp / "results", tmp / "work"
+    assert e["modelopt"]["max"]["1"]["calibration_sample"] == e["ptq"][e["ptq_choice"]]["1"]["calibration_sample"]
+    assert e["modelopt"]["max"]["0"]["lint"]["unshared_joins"] > 0 == e["ours_lint"]["unshared_joins"]
+    assert all(r["val"]["ap"] > 0 for runs in e["modelopt"].values() for r in runs.values())
+    bare = {k: v for k, v in e.items() if k not in ("modelopt", "modelopt_choice", "ours_lint")}
+    entry = out / "demo" / "gelan-t" / "entry.json"
+    entry.write_text(json.dumps(bare))
+    gone = tmp / "gone"
+    shutil.move(work / "demo" / "gelan-t", gone)
+    try:
+        r = run_cli("scripts/benchmark_accuracy.py", *[a for a in args if a != "--modelopt"], "--add-peer")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        added = json.loads(entry.read_text())
+        assert {m: {s: v["val"] for s, v in runs.items()} for m, runs in added["modelopt"].items()} == \
+            {m: {s: v["val"] for s, v in runs.items()} for m, runs in e["modelopt"].items()}
+        assert added["ours_lint"] == e["ours_lint"], (added["ours_lint"], e["ours_lint"])
+        assert added["provenance"]["peer"]["command"].endswith("--add-peer")
+    finally:
+        shutil.rmtree(work / "demo" / "gelan-t", ignore_errors=True)
+        shutil.move(gone, work / "demo" / "gelan-t")
+        entry.write_text(json.dumps(e))
 
 
 def s_ort_delta(entry: dict) -> float:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from utils.io_utils import write_json
 from utils.provenance import overlay_repo
 from utils.results import difference, fmt, fmt_difference, render_files, spread
 
@@ -27,15 +28,19 @@ PER_QUANTIZER = "per-quantizer"  # auto's candidate choosing quantizer by quanti
 def summarize(e: dict) -> dict:
     """Mean +- std over seeds of every stage that ran, on val, and the differences the claims rest on."""
     over = lambda runs, key: spread([r[key]["ap"] for r in runs.values()])  # noqa: E731
+    # where every seed calibrated on the same images (a fit split smaller than the sample), PTQ is one measurement
+    one_sample = same_calibration_sample(e)
+    ptq_over = (lambda runs, key: spread([next(iter(runs.values()))[key]["ap"]])) if one_sample else over  # noqa: E731
     s = {"fp": spread([e["fp"]["val"]["ap"]], fixed=True),
-         "ptq": {m: over(runs, "val") for m, runs in e["ptq"].items()},
-         "ptq_select": {m: over(runs, "select") for m, runs in e["ptq"].items()}}
+         "ptq": {m: ptq_over(runs, "val") for m, runs in e["ptq"].items()},
+         "ptq_select": {m: ptq_over(runs, "select") for m, runs in e["ptq"].items()},
+         "one_calibration_sample": one_sample}
     best_ptq = s["ptq"][e["ptq_choice"]]
     s["best_ptq_vs_fp"] = difference(best_ptq, s["fp"])
     s["best_fixed_on_val"] = max(s["ptq"], key=lambda m: s["ptq"][m]["mean"])  # the hardest bar, known only after
     best_fixed = s["ptq"][s["best_fixed_on_val"]]
     if "qat" in e:
-        s["auto"] = spread([r["auto"]["val"]["ap"] for r in e["qat"].values()])
+        s["auto"] = ptq_over({k: r["auto"] for k, r in e["qat"].items()}, "val")
         s["auto_vs_best_fixed"] = difference(s["auto"], best_fixed)
         s["qat_best"], s["qat_last"] = over(e["qat"], "val_best"), over(e["qat"], "val_last")
         s["final"] = over(e["qat"], "val_final")
@@ -67,6 +72,15 @@ def summarize(e: dict) -> dict:
         if "qat" in e:
             s["qat_vs_modelopt"] = difference(s["qat_best"], peer)
     return s
+
+
+def same_calibration_sample(e: dict) -> bool:
+    """Whether every seed's PTQ calibrated on the same images, so its PTQ numbers are one measurement: the fit split
+    holds no more images than one calibration sample takes (each seed draws them all, in its own order, and the
+    statistics do not depend on the order)."""
+    st = e["settings"]
+    return len(e["provenance"]["seeds"]) > 1 and \
+        e["provenance"]["split"]["images"]["fit"] <= st["calib_batches"] * st["batch_size"]
 
 
 def global_auto_choices(e: dict) -> dict[str, str]:
@@ -126,6 +140,9 @@ def model_table(e: dict) -> str:
              "",
              "| Stage | mAP50-95 val, mean ± std (seeds) | mAP50-95 select |", "|---|---|---|"]
     lines += [f"| {name} | {fmt(v)} | {sel} |" for name, v, sel in rows]
+    if s.get("one_calibration_sample"):
+        lines += ["", "Every seed calibrated on the same images (the fit split holds fewer than --calib-batches x "
+                      "--batch-size), so the PTQ rows are one measurement each, with no seed-to-seed noise."]
     claims = [("Quantization cost (delivered - its FP control)", s.get("quantization_cost")),
               ("Mixed precision - its FP control", s.get("mixed_vs_fp_ft")), ("Mixed precision - FP32", s.get("mixed_vs_fp")),
               ("Delivered - FP32", s.get("user_gain")),
@@ -161,8 +178,8 @@ def _where_measured(prov: dict) -> str:
 
 
 def _commit(commit: str) -> str:
-    """A short commit, marked where the run's working tree held changes beyond it."""
-    return commit[:10] + (" with uncommitted changes" if commit.endswith("-dirty") else "")
+    """A short commit (the entry's provenance says whether the tree held changes beyond it)."""
+    return commit[:10]
 
 
 def training_table(out: Path) -> str:
@@ -176,15 +193,91 @@ def training_table(out: Path) -> str:
             f"; last {end['window']}: rise {end['rise']:+.4f}, noise {end['noise']:.4f}"
         gpus = re.search(r"--nproc-per-node (\d+)", start["command"])
         sessions = start.get("sessions") or [{}]
-        # a total only where the training ended in a recorded session (older scripts did not record cut-off ones)
-        seconds = f"{t['train_seconds'] / 60:.1f} min" if t.get("train_seconds") and sessions[-1].get("exit") == 0 \
-            else "not recorded"
+        # the recorded sessions' total; where the last one exited non-zero, say so (a cut-off session may be missing)
+        total = f"{t['train_seconds'] / 60:.1f} min" if t.get("train_seconds") else "not recorded"
+        last = sessions[-1].get("exit")
+        seconds = total if last == 0 or total == "not recorded" else \
+            f"{total} in the {len(sessions)} recorded session(s), the last exited {last}"
         rows.append(f"| {f.parts[-4]} | {f.parts[-3]} | {t['epochs_run']} of {t['max_epochs']} | {t['best_epoch']} | "
                     f"{t['best_select_map']:.4f} | {'yes' if t['converged'] else 'no'} ({since}{plateau}) | "
                     f"{seconds} | {gpus[1] if gpus else 1} x {start['machine']['gpu']} | "
                     f"[curve](../{f.parent.relative_to(out.parent)}/curve.png) |")
     return _markdown(("Data", "Model", "Epochs run", "Best epoch", "Best select mAP50-95", "Converged", "Time", "GPUs",
                       "Curve"), rows, "No float training recorded yet.")
+
+
+LEAD = ("yolov9-c", "gelan-c")  # the family's flagship first
+
+
+def headline_table(out: Path) -> str:
+    """One row per accuracy entry, the flagship first: the float model, PTQ as `auto` delivers it, the default
+    command's delivered INT8 model and its float control, on the reported val images (mean over seeds)."""
+    rows = []
+    ordered = sorted(entries(out), key=lambda e: (LEAD.index(e["model"]) if e["model"] in LEAD else len(LEAD),
+                                                  e["model"], e["dataset"]))
+    for e in ordered:
+        s, prov = e["summary"], e["provenance"]
+        images = prov["split"]["images"]
+        steps = prov.get("steps_ran_on") or [f"{_where(prov['machine'])} (torch {prov['machine']['torch']})"]
+        rows.append(f"| **{e['model']}** | {e['dataset']} ({images['fit']} + {images['select']} train, "
+                    f"{images['val']} val) | {e['imgsz']} | {fmt(s['fp'])} | {fmt(s.get('auto'))} | "
+                    f"{fmt(s.get('final'))} | {fmt_difference(s['user_gain']) if 'user_gain' in s else '-'} | "
+                    f"{fmt(s.get('fp_ft_best'))} | {'; '.join(steps)} |")
+    return _markdown(("Model", "Data (fit + select train images, val)", "px", "FP32", "INT8 PTQ (auto)",
+                      "**INT8 delivered**", "Delivered - FP32", "FP32 fine-tune control", "Measured on"),
+                     rows, "No benchmark entry yet.")
+
+
+def recovery_table(out: Path) -> str:
+    """What each tool of the toolkit recovered in the published runs (val mAP50-95 unless it says select)."""
+    rows = []
+
+    def row(tool, e, before, after, where="val"):
+        rows.append(f"| {tool} | {e['model']} on {e['dataset']} | {fmt(before)} -> {fmt(after)} ({where}) | "
+                    f"{fmt_difference(difference(after, before))} |")
+    for e in entries(out):
+        s = e["summary"]
+        worst = min(s["ptq"], key=lambda m: s["ptq"][m]["mean"])
+        if "auto" in s:
+            row(f"`--calib-method auto` instead of the worst single method ({worst})", e, s["ptq"][worst], s["auto"])
+            row("QAT (the default command) after the PTQ `auto` chose", e, s["auto"], s["final"])
+        if "per_quantizer_vs_global_auto" in s:
+            row("per-quantizer ranges instead of one method for every quantizer", e, s["global_auto"],
+                s["ptq"][PER_QUANTIZER])
+    for folder in sorted(out.glob("*/*/max-loss")):
+        e, runs = entry_beside(folder), comparable_reports(folder, entry_beside(folder))
+        for budget in sorted({r["config"]["max_loss"] for r in runs if r["config"]["max_loss"] is not None}):
+            mixed = [report_run(r) for r in runs if r["config"]["max_loss"] == budget]
+            share = spread([m["int8_share"] for m in mixed])
+            row(f"`--max-loss {budget:g}` (INT8 share of conv MACs {share['mean']:.3f})", e,
+                spread([m["ptq_select"] for m in mixed]), spread([m["mixed_select"] for m in mixed]), "PTQ, select")
+    return _markdown(("Tool", "Model", "Before -> after", "Gain"), rows, "No benchmark entry yet.")
+
+
+def timing_table(out: Path) -> str:
+    """The default command's stages as the published runs took them (range over seeds; the runs shared their GPUs
+    with the benchmark's other runs, so these are upper bounds for a run alone)."""
+    def span(values, unit="s", digits=0):
+        values = [v for v in values if v is not None]
+        if not values:
+            return "-"
+        low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+        return f"{low} {unit}" if low == high else f"{low}-{high} {unit}"
+    rows = []
+    for e in entries(out):
+        if "qat" not in e:
+            continue
+        runs, prov, st = list(e["qat"].values()), e["provenance"], e["settings"]
+        steps = prov.get("steps_ran_on") or [_where(prov["machine"])]
+        sec = [r["auto"]["seconds"] for r in runs]
+        rows.append(f"| {e['model']} | {e['dataset']} | {'; '.join(steps)} | {st['imgsz']} | "
+                    f"{st['calib_batches'] * st['batch_size']} images: {span([x['collect'] for x in sec])} | "
+                    f"{prov['split']['images']['select']} images x {len(runs[0]['auto']['candidates'])} candidates: "
+                    f"{span([x['ranges_and_evaluations'] for x in sec])} | "
+                    f"{span([x['ranges'].get(PER_QUANTIZER) for x in sec])} | "
+                    f"{span([r['train_img_s'] for r in runs], 'img/s')} |")
+    return _markdown(("Model", "Data", "GPU", "px", "Calibration pass", "`auto`: ranges + select evaluations",
+                      "of which the per-quantizer search", "QAT training"), rows, "No benchmark entry yet.")
 
 
 def ptq_ranges_table(out: Path) -> str:
@@ -210,18 +303,6 @@ def ptq_ranges_table(out: Path) -> str:
                       "Search time per seed"), rows, "No per-quantizer PTQ recorded yet.")
 
 
-def costs_table(out: Path) -> str:
-    """QAT step vs its float control's step (scripts/benchmark_costs.py)."""
-    rows = []
-    for f in sorted((out / "costs").glob("*.json")):
-        c = json.loads(f.read_text())
-        rows.append(f"| {c['model']} | {c['batch_size']} x {c['imgsz']} | {c['machine']['gpu'] or 'CPU'} | "
-                    f"{c['control_step_s']['median']:.4f} | {c['qat_step_s']['median']:.4f} | "
-                    f"{c['ratio']:.2f}x | {c['steps']} each, interleaved |")
-    return _markdown(("Model", "Batch x size", "GPU", "FP control step (s, median)", "QAT step (s, median)", "QAT / FP",
-                      "Steps"), rows, "No cost measurement recorded yet.")
-
-
 def _markdown(header: tuple[str, ...], rows: list[str], none: str) -> str:
     """A markdown table of already formatted rows, or `none` where there are none."""
     if not rows:
@@ -235,7 +316,7 @@ def demo_table(out: Path) -> str:
     if not f.is_file():
         return "No demo run recorded yet."
     d = json.loads(f.read_text())
-    return (f"{d['table']}\n\n({d['where']}, {d['date']}, commit {d['commit'][:10]}: {d['minutes']:.1f} min in all; "
+    return (f"{d['table']}\n\n({d['where']}, commit {d['commit'][:10]}: {d['minutes']:.1f} min in all; "
             f"{d['data']}. A single run: the calibration method and the delivered stage were chosen on "
             f"{d['report']['select']['images']} held-out training images (the select rows), the other rows are "
             f"measured on the val images; it shows the workflow runs, not an accuracy claim (the table below is "
@@ -249,8 +330,13 @@ def ablation_table(out: Path) -> str:
     for f in sorted(out.glob("*/*/ablation*.json"), key=lambda f: (f.parent, f.name != "ablation.json", f.name)):
         a = json.loads(f.read_text())
         select = a["provenance"]["split"]["images"]["select"]
+        entry = f.parent / "entry.json"
+        other = json.loads(entry.read_text())["provenance"]["weights_sha256"] if entry.is_file() else None
+        model = f"; another float model than the accuracy entry's (weights sha256 " \
+                f"{a['provenance']['weights_sha256'][:8]}, the entry's {other[:8]})" \
+            if other and other != a["provenance"]["weights_sha256"] else ""
         lines = [f"**{a['model']}** on {a['dataset']}, select split ({select} images), from PTQ {a['calibration']} "
-                 f"({len(a['provenance']['seeds'])} seeds, commit {_commit(a['provenance']['commit'])})", "",
+                 f"({len(a['provenance']['seeds'])} seeds, commit {_commit(a['provenance']['commit'])}{model})", "",
                  "| Variant | What | Best-epoch mAP50-95 on select | vs default | Last epoch | vs default | "
                  "Delivered (best of PTQ and epochs) | vs default |",
                  "|---|---|---|---|---|---|---|---|"]
@@ -460,15 +546,36 @@ def rendered(out: Path, docs: bool) -> dict[Path, dict[str, str]]:
     files = {out / "accuracy.md": {"accuracy": accuracy}}
     if docs:
         files[REPO / "docs" / "RESULTS.md"] = {"accuracy": accuracy, "float-training": training_table(out),
-                                               "ablation": ablation_table(out), "costs": costs_table(out),
+                                               "ablation": ablation_table(out),
                                                "ptq-ranges": ptq_ranges_table(out),
                                                **{name: experiment_table(out, x) for name, x in EXPERIMENTS.items()}}
-        files[REPO / "README.md"] = {"accuracy": accuracy, "demo": demo_table(out)}
+        files[REPO / "README.md"] = {"headline": headline_table(out), "recovery": recovery_table(out),
+                                     "timing": timing_table(out), "demo": demo_table(out)}
     return files
+
+
+def refresh_summaries(out: Path, check: bool) -> list[str]:
+    """Each entry's stored summary recomputed from its per-seed numbers by today's rules (derived, never measured):
+    written back, or with `check` the entries whose summary is out of date."""
+    stale = []
+    for f in sorted(out.glob("*/*/entry.json")) + sorted(out.glob("ptq-ranges/*/*/entry.json")):
+        e = json.loads(f.read_text())
+        summary = json.loads(json.dumps(summarize(e)))  # as stored: JSON types
+        if e.get("summary") != summary:
+            stale.append(f"{f}: summary out of date")
+            if not check:
+                e["summary"] = summary
+                write_json(f, e)
+    return stale
 
 
 def render(out: Path, check: bool, docs: bool) -> int:
     try:
+        stale = refresh_summaries(out, check)
+        if check and stale:
+            print("\n".join(stale))
+            print("benchmark_accuracy: run `python scripts/benchmark_accuracy.py --render`", file=sys.stderr)
+            return 1
         files = rendered(out, docs)
         diffs = render_files(files, check)
     except ValueError as e:  # a file whose markers were removed, results that do not fit: name it, write nothing

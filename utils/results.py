@@ -29,7 +29,7 @@ def difference(a: dict, b: dict) -> dict:
     delta = a["mean"] - b["mean"]
     noise = max(a["std"], b["std"])
     if any(side["n"] < 2 and not side.get("fixed") for side in (a, b)):
-        return {"delta": round(delta, 5), "noise": None, "verdict": "no noise estimate (one seed)"}
+        return {"delta": round(delta, 5), "noise": None, "verdict": "no noise estimate: one value"}
     verdict = "within noise" if abs(delta) <= noise else ("higher" if delta > 0 else "lower")
     return {"delta": round(delta, 5), "noise": round(noise, 5), "verdict": verdict}
 
