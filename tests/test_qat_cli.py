@@ -112,17 +112,17 @@ def test_existing_results_are_not_overwritten(quantize_run, gelan_t_weights, dem
     assert (save_dir.parent / "run2" / "report.json").is_file()  # a new folder, the first one untouched
 
 
-def test_no_select_warns_and_measures_the_val_images_once(gelan_t_weights, demo_data, tmp_path):
+def test_no_select_warns_and_measures_the_val_images_once(demo_data, tmp_path):
     """--no-select makes the choices on the val images (a warning says so); the delivered model's val numbers are
-    its select numbers, not a second pass over the same images."""
-    r = run_cli("qat.py", "quantize", "--weights", gelan_t_weights, "--data", demo_data, *COMMON, "--epochs", 0,
+    its select numbers, not a second pass over the same images (the trained demo model: numbers that are not 0)."""
+    r = run_cli("qat.py", "quantize", "--weights", TRAINED_T, "--data", demo_data, *COMMON, "--epochs", 0,
                 "--calib-batches", 1, "--calib-method", "max", "--num-image", 8, "--no-select", "--project", tmp_path,
                 "--name", "run")
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout + r.stderr
     assert "--no-select" in out and "optimistic" in out
     report = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert report["select"]["source"] == "val" and report["select"]["images"] >= 8
+    assert report["select"]["source"] == "val" and report["select"]["images"] >= 8 and report["origin"]["ap"] > 0
     assert report["val"]["final"] == {k: report["final"][k] for k in report["val"]["final"]}
     assert report["val"]["origin"] == report["origin"]
     assert "(val)" not in out  # every evaluation ran on select (= val), none twice
@@ -326,14 +326,13 @@ def _summary(run_dir):
 # the run has to choose
 @pytest.mark.parametrize("budget", [[], ["--max-loss", 0, "--calib-method", "percentile", "--percentile", 50,
                                          "--num-image", 12]], ids=["all-int8", "max-loss"])
-def test_killed_run_resumes_to_the_same_result(budget, gelan_t_weights, demo_data, tmp_path):
+def test_killed_run_resumes_to_the_same_result(budget, demo_data, tmp_path):
     """SIGKILL after the first QAT epoch, then --resume: the same files and numbers as an uninterrupted run
     (each epoch's data order and augmentation are seeded by the epoch), the same select split, calibration choice
     and delivered model, no temp files left behind. With `--max-loss 0` the tensor classes kept in float too: the
     resumed run keeps the choice it made, with the same classes in float, rather than choosing again."""
     import signal
-    args = ["quantize", "--weights", TRAINED_T if budget else gelan_t_weights, "--data", demo_data, *TINY, *budget,
-            "--project", tmp_path]
+    args = ["quantize", "--weights", TRAINED_T, "--data", demo_data, *TINY, *budget, "--project", tmp_path]
     full = run_cli("qat.py", *args, "--name", "full")
     assert full.returncode == 0, full.stderr[-3000:]
     proc = _popen(*args, "--name", "killed")

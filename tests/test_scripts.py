@@ -407,6 +407,37 @@ def test_float_training_records_a_cut_off_session_and_collects_a_finished_one(de
     assert json.loads((tmp_path / "out" / "train.json").read_text())["started"]["sessions"] == sessions
 
 
+def test_float_training_collects_and_reparameterizes_a_yolov9_run(demo_data, tmp_path, monkeypatch):
+    """train_float.py --reparameterize on a finished train_dual.py run (a real yolov9-t training checkpoint with its
+    auxiliary branch as best.pt): the FP16 EMA weights kept, converted by reparameterization.py to the GELAN
+    inference model, and both files load through the safe loader as float models (the converted one without the
+    auxiliary head); train.json records the converted file's sha256."""
+    import importlib.util
+    from conftest import build_model, save_float_checkpoint
+    from models.checkpoint import load_float_model, read_checkpoint
+    from utils.provenance import sha256
+    spec = importlib.util.spec_from_file_location("train_float", REPO / "scripts" / "train_float.py")
+    tf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tf)
+    run_dir = tmp_path / "run"
+    (run_dir / "weights").mkdir(parents=True)
+    save_float_checkpoint(build_model("yolov9-t"), run_dir / "weights" / "best.pt")
+    (run_dir / "opt.yaml").write_text(yaml.safe_dump({"cfg": "models/detect/yolov9-t.yaml", "data": str(demo_data),
+                                                      "patience": 30, "epochs": 2}))
+    header = ",".join(f"{h:>20}" for h in ["epoch", tf.MAP, tf.MAP50])
+    (run_dir / "results.csv").write_text(f"{header}\n0,0.1,0.2\n1,0.2,0.3\n")
+    (run_dir / tf.PROVENANCE).write_text(json.dumps({"commit": "x", "sessions": [{"seconds": 1.0, "exit": 0}]}))
+    monkeypatch.chdir(CHECKOUT)  # reparameterization.py runs from the checkout, as train_float.py does
+    entry = tf.collect(run_dir, tmp_path / "out", "yolov9-t", tmp_path / "w" / "yolov9-t.pt", reparameterize_as="t")
+    converted = tmp_path / "w" / "yolov9-t-converted.pt"
+    assert entry["converted"]["weights_sha256"] == sha256(converted) and entry["weights_sha256"] == sha256(
+        tmp_path / "w" / "yolov9-t.pt")
+    assert type(read_checkpoint(tmp_path / "w" / "yolov9-t.pt")["model"].model[-1]).__name__.startswith("Dual")
+    gelan = load_float_model(converted)  # the safe loader, and no auxiliary branch left
+    assert not type(gelan.model[-1]).__name__.startswith(("Dual", "Triple"))
+    assert json.loads((tmp_path / "out" / "train.json").read_text())["converted"] == entry["converted"]
+
+
 def test_float_training_converges_on_a_plateau_not_on_a_climb():
     """scripts/train_float.py's convergence rule on select curves: a curve still climbing at its end is not
     converged although its best is its last epoch; one that ends flat within its own evaluation noise is, even
