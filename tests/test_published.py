@@ -35,3 +35,29 @@ def test_fp32_map_of_the_embedded_model_on_the_select_split(tmp_path):
     print(f"published {want['ap']:.5f}, measured here {got['ap']:.5f}")
     assert got["images"] == entry["provenance"]["split"]["images"]["select"]
     assert got["ap"] == pytest.approx(want["ap"], abs=0.003) and got["ap50"] == pytest.approx(want["ap50"], abs=0.003)
+
+
+def _numbers(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _numbers(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _numbers(v)
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        yield float(obj)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/RESULTS.md"])
+def test_every_figure_in_the_prose_is_in_the_results(page):
+    """The tables are rendered from results/ (and --render --check keeps them so); the prose around them may quote
+    a figure too: each mAP-style figure in it (four decimals) must be one that a JSON file under results/ holds,
+    to the fourth decimal, so that no sentence says what no run measured. (Other numbers in the prose are settings,
+    counts and rules.)"""
+    import re
+    known = {round(abs(v), 4) for f in (REPO / "results").rglob("*.json") for v in _numbers(json.loads(f.read_text()))}
+    text = (REPO / page).read_text()
+    prose = re.sub(r"<!-- results:([\w.-]+) -->.*?<!-- /results:\1 -->", "", text, flags=re.S)
+    figures = [m.group() for m in re.finditer(r"(?<![\w.])[-+]?\d+\.\d{4}(?!\d)", prose)]
+    unknown = [f for f in figures if round(abs(float(f)), 4) not in known]
+    assert unknown == [], f"{page}: figures no results JSON holds: {unknown}"

@@ -130,7 +130,7 @@ def test_patch_with_a_relative_target_from_another_folder(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def benchmark(demo_data, tmp_path_factory):
+def bench_run(demo_data, tmp_path_factory):
     """The accuracy benchmark's whole path at tiny size, once, with the trained demo gelan-t (its mAPs are not 0:
     every comparison below compares real numbers): 2 seeds, the default command with its float control and its
     --max-loss 0 variant, one recipe variant; with Model Optimizer's PTQ where nvidia-modelopt is installed."""
@@ -149,14 +149,14 @@ def benchmark(demo_data, tmp_path_factory):
     return tmp, args, entry, modelopt
 
 
-def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(benchmark, demo_data):
+def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(bench_run, demo_data):
     """The select split (the one qat.py carves itself), every calibration candidate per seed from the default
     command's one calibration, the choice on select, the default command (auto, QAT, best-of), its float control and
     its --max-loss variant per seed, the deployed graphs in ONNX Runtime, an entry with provenance and every per-seed
     number; a second run reruns nothing, the rendered tables pass --check, and nothing is written outside --work and
     --out."""
     from conftest import TRAINED_T
-    tmp, args, e, modelopt = benchmark
+    tmp, args, e, modelopt = bench_run
     out, work = tmp / "results", tmp / "work"
     split = yaml.safe_load((work / "demo" / "split" / "split.yaml").read_text())
     prov = e["provenance"]
@@ -243,10 +243,10 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(benchmark, demo
     table.write_text(rendered)
 
 
-def test_benchmark_peer_calibrates_on_our_images_and_is_added_to_an_entry_later(benchmark):
+def test_benchmark_peer_calibrates_on_our_images_and_is_added_to_an_entry_later(bench_run):
     """Model Optimizer's PTQ beside ours: calibrated on the very images ours did, its joins counted by our lint; added
     with --add-peer to an entry made without it whose run folders are gone, the same rows and provenance."""
-    tmp, args, e, modelopt = benchmark
+    tmp, args, e, modelopt = bench_run
     if not modelopt:
         pytest.skip("nvidia-modelopt is not installed (./install_dependencies.sh --modelopt): the peer is optional")
     out, work = tmp / "results", tmp / "work"

@@ -241,6 +241,8 @@ def recovery_table(out: Path) -> str:
         if "auto" in s:
             row(f"`--calib-method auto` instead of the worst single method ({worst})", e, s["ptq"][worst], s["auto"])
             row("QAT (the default command) after the PTQ `auto` chose", e, s["auto"], s["final"])
+    for e in entries(out) + [json.loads(f.read_text()) for f in sorted(out.glob("ptq-ranges/*/*/entry.json"))]:
+        s = e["summary"]
         if "per_quantizer_vs_global_auto" in s:
             row("per-quantizer ranges instead of one method for every quantizer", e, s["global_auto"],
                 s["ptq"][PER_QUANTIZER])
