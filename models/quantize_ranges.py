@@ -73,6 +73,25 @@ def _all_off(quantizers: Sequence[TensorQuantizer]) -> Iterator[None]:
                 q.enable()
 
 
+@contextlib.contextmanager
+def _weights_quantized_once(model: nn.Module) -> Iterator[None]:
+    """The weights held at their INT8 values and their quantizers off, for the search's many passes: each pass then
+    skips the weights' fake quantization, which costs as much as the convolutions on a few small images, and
+    computes the same values (quantizing a weight once gives what quantizing it at every pass gives)."""
+    held = [(m, m.weight.data) for m in model.modules()
+            if isinstance(getattr(m, "_weight_quantizer", None), TensorQuantizer) and not m._weight_quantizer._disabled]
+    with torch.no_grad():
+        for m, weight in held:
+            m.weight.data = m._weight_quantizer(weight)
+            m._weight_quantizer.disable()
+    try:
+        yield
+    finally:
+        for m, weight in held:
+            m.weight.data = weight
+            m._weight_quantizer.enable()
+
+
 class _Layers:
     """The model's layers run one at a time as upstream's forward runs them (each reads the previous output or the
     ones its `f` names), every output kept, so that a pass can start at any layer whose inputs are still valid."""
@@ -126,22 +145,23 @@ def search(model: nn.Module, quantizers: Sequence[TensorQuantizer], candidates: 
                 reference = model(images)
             for q in quantizers:
                 q.disable()
-            valid = 0  # the layers whose kept outputs hold for the ranges chosen so far
-            for k in order:
-                q = quantizers[k]
-                first = min((layers.layer_of[id(m)] for m in readers[k]), default=len(layers.layers))
-                layers.run(valid, first)
-                q.enable()
-                errors: dict[float, float] = {}  # by amax: methods that give one range are measured once
-                for method in methods:
-                    amax = candidates[method][k].reshape(())
-                    if float(amax) not in errors:
-                        q.set_amax(amax.to(device))
-                        errors[float(amax)] = float(head_distillation(layers.run(first), reference, nc, reg_max)[0])
-                # the least error; a tie goes to the earlier method
-                chosen[k] = min(methods, key=lambda m: (errors[float(candidates[m][k])], methods.index(m)))
-                q.set_amax(candidates[chosen[k]][k].reshape(()).to(device))
-                valid = first
+            with _weights_quantized_once(model):
+                valid = 0  # the layers whose kept outputs hold for the ranges chosen so far
+                for k in order:
+                    q = quantizers[k]
+                    first = min((layers.layer_of[id(m)] for m in readers[k]), default=len(layers.layers))
+                    layers.run(valid, first)
+                    q.enable()
+                    errors: dict[float, float] = {}  # by amax: methods that give one range are measured once
+                    for method in methods:
+                        amax = candidates[method][k].reshape(())
+                        if float(amax) not in errors:
+                            q.set_amax(amax.to(device))
+                            errors[float(amax)] = float(head_distillation(layers.run(first), reference, nc, reg_max)[0])
+                    # the least error; a tie goes to the earlier method
+                    chosen[k] = min(methods, key=lambda m: (errors[float(candidates[m][k])], methods.index(m)))
+                    q.set_amax(candidates[chosen[k]][k].reshape(()).to(device))
+                    valid = first
     finally:
         for q in quantizers:
             q.enable()

@@ -173,6 +173,21 @@ def run_cli(script: str, *args, cwd: Path | None = None, timeout: int = 900) -> 
                           text=True, capture_output=True, env=env, timeout=timeout)
 
 
+def load_script(path: Path, name: str):
+    """A script file as a module, registered before it runs (its dataclasses look their module up), with sys.path
+    as it was: scripts/*.py put the working directory first, as they run from the checkout; here that is the repo
+    root, whose reparameterization.py and models/ would shadow the checkout's for the rest of this worker."""
+    import importlib.util
+    saved = list(sys.path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
 def call_cli(script: str, *args) -> subprocess.CompletedProcess:
     """A top-level script's main(argv) in this process: the exit code and what it printed, as run_cli gives them,
     without starting a Python that imports torch again (~5 s each). For refusals, and for ONNX Runtime
@@ -181,15 +196,10 @@ def call_cli(script: str, *args) -> subprocess.CompletedProcess:
     export mode for the whole process. An exception that escapes main() fails the calling test, as a traceback
     would."""
     import contextlib
-    import importlib.util
     import io
     import logging
     name = f"cli_{Path(script).stem}"
-    module = sys.modules.get(name)
-    if module is None:  # registered before it runs: its dataclasses look their module up
-        spec = importlib.util.spec_from_file_location(name, CHECKOUT / script)
-        module = sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    module = sys.modules.get(name) or load_script(CHECKOUT / script, name)
     out, err = io.StringIO(), io.StringIO()
     # upstream's LOGGER holds the stderr of when it was made, which pytest's capture had replaced
     handlers = [h for h in logging.getLogger("yolov5").handlers if isinstance(h, logging.StreamHandler)]

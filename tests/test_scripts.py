@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CHECKOUT, IMGSZ, REPO, call_cli, run_cli
+from conftest import CHECKOUT, IMGSZ, REPO, call_cli, load_script, run_cli
 
 
 def sh(*args, **kw):
@@ -373,10 +373,7 @@ def test_float_training_records_a_cut_off_session_and_collects_a_finished_one(de
     """scripts/train_float.py across leases: a session cut off by a time limit is recorded (its time counts), and a
     run whose every epoch ran, cut off before train.json, is collected instead of resumed (upstream's --resume of a
     finished schedule fails); train.json names the model from --cfg (a resumed run's opt.yaml has no cfg)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("train_float", REPO / "scripts" / "train_float.py")
-    tf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tf)
+    tf = load_script(REPO / "scripts" / "train_float.py", "train_float")
     run_dir = tmp_path / "train" / "n"
     run_dir.mkdir(parents=True)
     (run_dir / "opt.yaml").write_text(yaml.safe_dump({"cfg": "", "data": str(demo_data), "patience": 30, "epochs": 3}))
@@ -412,13 +409,10 @@ def test_float_training_collects_and_reparameterizes_a_yolov9_run(demo_data, tmp
     auxiliary branch as best.pt): the FP16 EMA weights kept, converted by reparameterization.py to the GELAN
     inference model, and both files load through the safe loader as float models (the converted one without the
     auxiliary head); train.json records the converted file's sha256."""
-    import importlib.util
     from conftest import build_model, save_float_checkpoint
     from models.checkpoint import load_float_model, read_checkpoint
     from utils.provenance import sha256
-    spec = importlib.util.spec_from_file_location("train_float", REPO / "scripts" / "train_float.py")
-    tf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tf)
+    tf = load_script(REPO / "scripts" / "train_float.py", "train_float")
     run_dir = tmp_path / "run"
     (run_dir / "weights").mkdir(parents=True)
     save_float_checkpoint(build_model("yolov9-t"), run_dir / "weights" / "best.pt")
@@ -442,10 +436,7 @@ def test_float_training_converges_on_a_plateau_not_on_a_climb():
     """scripts/train_float.py's convergence rule on select curves: a curve still climbing at its end is not
     converged although its best is its last epoch; one that ends flat within its own evaluation noise is, even
     where upstream's patience never stopped it; a curve too short for a window is not judged converged."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("train_float", REPO / "scripts" / "train_float.py")
-    tf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tf)
+    tf = load_script(REPO / "scripts" / "train_float.py", "train_float")
     import numpy as np
     rng = np.random.default_rng(0)
     noise = rng.normal(0, 0.002, 60)

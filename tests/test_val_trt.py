@@ -223,38 +223,6 @@ def test_end_to_end_graph_scores_like_the_plain_graph(quantized, demo_data320, t
     assert r.returncode == 0 and "NMS runs inside this graph with conf_thres 0.25 (--conf-thres 0.001)" in r.stderr
 
 
-def test_readme_steps_6_and_7_in_order(quantized, demo_data320, tmp_path):
-    """The README's export commands, then scripts/val_trt.sh, literally and in order on one checkpoint: every
-    artefact has its own file, and val_trt.sh reuses the TensorRT graph step 6 wrote (same weights, same settings)
-    and exports again where the settings differ."""
-    if shutil.which("trtexec"):
-        pytest.skip("TensorRT is installed here: the script would build an engine")
-    from conftest import CHECKOUT
-    w = tmp_path / "w.pt"
-    shutil.copy(quantized[0], w)
-    steps = [["export_qat.py", "--weights", w, "--include", "onnx", "--dynamic", "--simplify", "--verify", "--data",
-              demo_data320, "--imgsz", SIZE],
-             ["export_qat.py", "--weights", w, "--include", "onnx_end2end", "--dynamic", "--imgsz", SIZE],
-             ["export_yoloV9.py", "--weights", w, "--dynamic", "--simplify", "--size", SIZE]]
-    for step in steps:
-        r = run_cli(*step)
-        assert r.returncode == 0, (step, r.stderr[-2000:])
-    r = run_cli("utils/qdq_lint.py", tmp_path / "w.onnx", "--strict")
-    assert r.returncode == 0, r.stdout
-    made = sorted(p.name for p in tmp_path.iterdir() if p.suffix in (".onnx", ".txt"))
-    assert made == ["w-deepstream-labels.txt", "w-deepstream.onnx", "w-end2end.onnx", "w.onnx"]
-    before = (tmp_path / "w.onnx").stat().st_mtime_ns
-    cmd = ["bash", str(CHECKOUT / "scripts" / "val_trt.sh"), str(w), str(demo_data320), str(SIZE), "--batch-size", "4"]
-    r = subprocess.run(cmd, cwd=CHECKOUT, text=True, capture_output=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "reusing" in r.stderr and (tmp_path / "w.onnx").stat().st_mtime_ns == before
-    assert "TensorRT (trtexec + Python package) is not available here" in r.stderr
-    assert "ms/image (onnxruntime, batch 4)" in r.stdout + r.stderr
-    r = subprocess.run(cmd[:4] + ["256", "--batch-size", "4"], cwd=CHECKOUT, text=True, capture_output=True,
-                       timeout=900)
-    assert r.returncode == 0 and "with other settings; exporting again" in r.stderr  # another size: a new export
-
-
 def test_nms_is_upstreams_without_its_clock(demo_data320, monkeypatch):
     """Our NMS keeps what upstream's `non_max_suppression(multi_label=True)` keeps, box for box, on a trained
     model's raw output at val's threshold (mask coefficients ride along: the segmentation layout). Upstream's stops
