@@ -18,9 +18,10 @@ TRAINED_RUN = ["--imgsz", 320, "--batch-size", 4, "--device", "cpu", "--workers"
 
 @pytest.fixture(scope="module")
 def quantize_run(demo_data320, tmp_path_factory):
-    """The trained demo gelan-t through PTQ and one short QAT epoch, evaluated on 40 images of its own data."""
+    """The trained demo gelan-t through PTQ and one short QAT epoch, evaluated on 40 images of its own data; 2
+    calibration images (auto's per-quantizer search runs the network once per quantizer and candidate on them)."""
     project = tmp_path_factory.mktemp("qat")
-    r = run_cli("qat.py", "quantize", "--weights", TRAINED_T, "--data", demo_data320, *TRAINED_RUN,
+    r = run_cli("qat.py", "quantize", "--weights", TRAINED_T, "--data", demo_data320, *TRAINED_RUN, "--batch-size", 2,
                 "--epochs", 1, "--iters", 2, "--calib-batches", 1, "--project", project, "--name", "run")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return project / "run", r
@@ -41,11 +42,11 @@ def test_quantize_writes_models_report_and_table(quantize_run):
     assert set(report["val"]) == {"origin", "final"}
     assert report["quantizers"]["weight"] > 100 and report["quantizers"]["activation"] > 50
     assert len(report["qat"]) == 1 and report["qat"][0]["epoch"] == 1
-    assert report["config"]["quant"]["calib_batches"] == 1 and len(report["calibration_images"]) == 1 * 4
+    assert report["config"]["quant"]["calib_batches"] == 1 and len(report["calibration_images"]) == 1 * 2
     out = r.stdout + r.stderr
     for row in ("Origin (PyTorch), select", "PTQ ", "QAT best epoch (PyTorch INT8), select", "Delivered, val"):
         assert row in report["table"] and row in out
-    assert out.count("quantizers calibrated on 4 images") == 1  # one summary line, not one per quantizer
+    assert out.count("quantizers calibrated on 2 images") == 1  # one summary line, not one per quantizer
     assert "HistogramCollector" not in out and "Load calibrated amax" not in out
     assert not list(save_dir.rglob("*.tmp"))
 
@@ -62,7 +63,7 @@ def test_auto_keeps_the_best_candidate_and_best_of_never_ships_worse(quantize_ru
     one_rule = ["max", "mse", "entropy", "percentile-99.9", "percentile-99.99", "percentile-99.999"]
     assert list(cal["candidates"]) == [*one_rule, "per-quantizer"]
     picks = cal["per_quantizer"]
-    assert picks["images"] == 4 and len(picks["methods"]) == report["quantizers"]["activation"]
+    assert picks["images"] == 2 and len(picks["methods"]) == report["quantizers"]["activation"]
     assert set(picks["methods"].values()) <= set(one_rule) and len(set(picks["methods"].values())) > 1
     assert sum(picks["counts"].values()) == len(picks["methods"])
     assert cal["chosen"] == max(cal["candidates"], key=cal["candidates"].get)
@@ -197,7 +198,9 @@ def test_sensitive_measures_every_tensor_class_on_select(demo_data320, tmp_path)
     select split carved from the training images (the calibration images come from the rest), with the trained
     demo gelan-t: the float model's select mAP is the one val_trt.py measures on exactly the select images (not
     on val: 8 images against 100), and keeping tensor classes in float moves the score (costs of both signs)."""
-    r = run_cli("qat.py", "sensitive", "--weights", TRAINED_T, "--data", demo_data320, "--imgsz", 320,
+    # at 256 px (4/5 of the size it was trained at: it still finds the shapes), as each of its ~150 candidates is
+    # one evaluation
+    r = run_cli("qat.py", "sensitive", "--weights", TRAINED_T, "--data", demo_data320, "--imgsz", 256,
                 "--batch-size", 4, "--device", "cpu", "--workers", 0, "--calib-batches", 2, "--calib-method", "max",
                 "--project", tmp_path, "--name", "s")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -212,7 +215,7 @@ def test_sensitive_measures_every_tensor_class_on_select(demo_data320, tmp_path)
     assert costs[0] > 0 > costs[-1] and summary["baseline_ptq"]["ap"] != summary["origin_select"]["ap"]
     data = tmp_path / "select.yaml"
     data.write_text(f"path: {tmp_path}\ntrain: {select}\nval: {select}\nnc: 12\nnames: {list(range(12))}\n")
-    r = call_cli("val_trt.py", "--weights", TRAINED_T, "--data", data, "--imgsz", 320, "--batch-size", 8,
+    r = call_cli("val_trt.py", "--weights", TRAINED_T, "--data", data, "--imgsz", 256, "--batch-size", 8,
                  "--device", "cpu", "--workers", 0, "--project", tmp_path, "--name", "fp")
     assert r.returncode == 0, r.stderr[-2000:]
     independent = json.loads((tmp_path / "fp" / "val_trt.json").read_text())
@@ -225,14 +228,23 @@ def test_sensitive_measures_every_tensor_class_on_select(demo_data320, tmp_path)
 @pytest.mark.parametrize("choice", ["--select-data", "--no-select"])
 def test_sensitive_takes_the_select_split_it_is_given(choice, gelan_t_weights, demo_data, tmp_path):
     """`--select-data D` measures on D's val images (the training images are not split); `--no-select` on the val
-    images themselves, and says so."""
-    extra = ["--select-data", demo_data] if choice == "--select-data" else ["--no-select"]
-    r = run_cli("qat.py", "sensitive", "--weights", gelan_t_weights, "--data", demo_data, *COMMON, "--calib-batches",
-                1, "--calib-method", "max", "--project", tmp_path, "--name", "s", *extra)
+    images themselves, and says so. The val list holds 3 of demo_data's images: every tensor class is measured on
+    it, and which images it holds is what this test is about."""
+    import yaml
+    data = yaml.safe_load(demo_data.read_text())
+    val = tmp_path / "val.txt"
+    val.write_text("".join(f"{f}\n" for f in sorted((demo_data.parent / "images" / "val").iterdir())[:3]))
+    data.update(path=str(demo_data.parent), val=str(val))
+    three = tmp_path / "three.yaml"
+    three.write_text(yaml.safe_dump(data))
+    extra = ["--select-data", three] if choice == "--select-data" else ["--no-select"]
+    r = run_cli("qat.py", "sensitive", "--weights", gelan_t_weights, "--data", three if choice == "--no-select" else
+                demo_data, *COMMON, "--calib-batches", 1, "--calib-method", "max", "--project", tmp_path, "--name", "s",
+                *extra)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "s" / "summary-sensitive-analysis.json").read_text())
     assert summary["select"]["source"] == {"--select-data": "select-data", "--no-select": "val"}[choice]
-    assert summary["select"]["images"] == 12  # demo_data's 12 val images, whichever way they were named
+    assert summary["select"]["images"] == 3  # the 3 val images, whichever way they were named
     if choice == "--no-select":
         assert "optimistic" in r.stderr + r.stdout
 

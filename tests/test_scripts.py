@@ -139,7 +139,7 @@ def bench_run(demo_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     modelopt = importlib.util.find_spec("modelopt") is not None
     args = ["--dataset", "demo", "--models", f"gelan-t={TRAINED_T}", "--data", demo_data, "--imgsz", IMGSZ,
-            "--batch-size", 4, "--device", "cpu", "--workers", 0, "--seeds", 0, 1, "--methods", "max", "mse",
+            "--batch-size", 2, "--device", "cpu", "--workers", 0, "--seeds", 0, 1, "--methods", "max", "mse",
             "--qat-epochs", 1, "--iters", 1, "--calib-batches", 1, "--jobs", 2, "--ort-seeds", 1, "--max-loss", 0,
             "--work", tmp / "work", "--out", tmp / "results", "--ablation", "det-3",
             *(["--modelopt"] if modelopt else [])]
@@ -182,7 +182,7 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(bench_run, demo
     from models.quantize import QuantRecipe
     from models.task import DETECT
     for seed, names in enumerate(samples):  # drawn again from the sampler alone, as --add-peer does
-        cfg = RunConfig(str(TRAINED_T), str(demo_data), "", imgsz=IMGSZ, batch_size=4, workers=0, seed=seed,
+        cfg = RunConfig(str(TRAINED_T), str(demo_data), "", imgsz=IMGSZ, batch_size=2, workers=0, seed=seed,
                         quant=QuantRecipe(calib_batches=1))
         assert calibration_sample(DETECT, work / "demo" / "split" / "fit.txt", cfg) == names
     for kind in ("qat", "fp_ft", "mixed"):
