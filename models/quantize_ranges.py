@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn as nn
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
+from tqdm import tqdm
 
 from models.losses import head_distillation
 
@@ -147,7 +148,8 @@ def search(model: nn.Module, quantizers: Sequence[TensorQuantizer], candidates: 
                 q.disable()
             with _weights_quantized_once(model):
                 valid = 0  # the layers whose kept outputs hold for the ranges chosen so far
-                for k in order:
+                # minutes on a CPU: a pass through the rest of the network per quantizer and candidate
+                for k in tqdm(order, desc="per-quantizer ranges", unit="quantizer"):
                     q = quantizers[k]
                     first = min((layers.layer_of[id(m)] for m in readers[k]), default=len(layers.layers))
                     layers.run(valid, first)
