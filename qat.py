@@ -85,6 +85,9 @@ def _run_flags(q):
     q.add_argument("--cache", type=str, nargs="?", const="ram", default=None, choices=("ram", "disk"),
                    help="decode the training images once, kept in RAM (or .npy files on disk), as upstream's --cache: "
                         "the same pixels, less CPU per step (upstream checks the RAM first)")
+    q.add_argument("--step", choices=("auto", "eager"), default="auto",
+                   help="the fine-tuning step: auto compiles it on a CUDA GPU (channels-last, CUDA graphs; the log "
+                        "says which and why), eager runs it op by op")
     q.add_argument("--skip-layers", nargs="*", default=[], help="layer indices or module-name regexes kept in float")
     q.add_argument("--no-eval-origin", action="store_true", help="do not evaluate the float model")
     q.add_argument("--no-eval-ptq", action="store_true", help="do not evaluate the PTQ model")

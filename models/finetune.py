@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from models.fast_step import EAGER, StepPlan, begin_step, refresh_scales, teacher_mode
 from models.losses import feature_maps, head_distillation
 from models.quantize import learnable_amax_parameters
 from models.task import task_of
@@ -121,14 +122,15 @@ class QATObjective:
 
     Call with a batch (images 0-1, upstream targets, instance masks for segmentation); returns the total loss
     and its parts (floats). `forward` runs the student (a DistributedDataParallel wrapper of it, in a distributed
-    job); the layer taps and the loss read the student itself.
-    Use as a context manager: the layer hooks are removed on exit.
+    job); the layer taps and the loss read the student itself. `teacher_forward` runs the teacher (compiled, in
+    the fast step: models/fast_step.py). Use as a context manager: the layer hooks are removed on exit.
     """
 
     def __init__(self, recipe: QATRecipe, student: nn.Module, teacher: nn.Module, hyp: dict | None = None,
-                 forward: nn.Module | None = None):
+                 forward: nn.Module | None = None, teacher_forward: nn.Module | None = None):
         self.recipe, self.student, self.teacher = recipe, student, teacher
-        self.forward = forward or student  # DistributedDataParallel(student) in a distributed job
+        self.forward = student if forward is None else forward  # DistributedDataParallel(student) when distributed
+        self.teacher_forward = teacher if teacher_forward is None else teacher_forward
         head = student.model[-1]
         self.nc, self.reg_max = int(head.nc), int(getattr(head, "reg_max", 16))
         n = len(student.model)
@@ -154,7 +156,7 @@ class QATObjective:
         them when it needs them)."""
         recipe, mark = self.recipe, (clock or NO_CLOCK).mark
         with torch.no_grad():
-            self.teacher(images)
+            self.teacher_forward(images)
         mark("teacher forward")
         preds = self.forward(images)
         mark("student forward")
@@ -235,32 +237,36 @@ class WeightEMA:
         self.updates += 1
         d = self.decay * (1 - math.exp(-self.updates / self.tau))
         current = self._tensors(model)
-        for name, e in self._tensors(self.model).items():
-            e.mul_(d).add_(current[name].detach().to(e.dtype), alpha=1 - d)
+        averaged = self._tensors(self.model)
+        new = [current[name].detach().to(e.dtype) for name, e in averaged.items()]
+        torch._foreach_lerp_(list(averaged.values()), new, 1 - d)  # e += (1 - d)(new - e): a launch per group
 
 
 # --------------------------------------------------------------------------------------------------
 # The epoch
 # --------------------------------------------------------------------------------------------------
-def optimizer_for(model: nn.Module, recipe: QATRecipe) -> torch.optim.Optimizer:
+def optimizer_for(model: nn.Module, recipe: QATRecipe, fused: bool = False) -> torch.optim.Optimizer:
     """Adam over the weights (and the activation amax when learned): scale-free, so losses of different
-    magnitudes (distillation, detection) need no per-model tuning of the learning rate."""
+    magnitudes (distillation, detection) need no per-model tuning of the learning rate. `fused` (GPU): one kernel
+    launch for all parameters instead of several per parameter."""
     params = [p for p in model.parameters() if p.requires_grad]
     if recipe.learn_amax:
         params += learnable_amax_parameters(model)
     unique = list({id(p): p for p in params}.values())
-    return torch.optim.Adam(unique, lr=recipe.lr)
+    return torch.optim.Adam(unique, lr=recipe.lr, fused=fused or None)
 
 
 class FineTuner:
     """One fine-tuning run of a recipe: the optimizer, the AMP scaler (on CUDA), the weight EMA and the learning-rate
     schedule over `epochs` x `iters` iterations. `epoch()` runs the next epoch; the state resumes a run."""
 
-    def __init__(self, objective: QATObjective, epochs: int, iters: int, amp: bool, clock: StepClock | None = None):
-        self.objective, self.epochs, self.iters = objective, epochs, iters
+    def __init__(self, objective: QATObjective, epochs: int, iters: int, amp: bool, clock: StepClock | None = None,
+                 plan: StepPlan = EAGER):
+        self.objective, self.epochs, self.iters, self.plan = objective, epochs, iters, plan
         self.clock = clock or NO_CLOCK
+        self.first_step_s: float | None = None  # of a compiled step: tracing and compiling included
         recipe, student = objective.recipe, objective.student
-        self.optimizer = optimizer_for(student, recipe)
+        self.optimizer = optimizer_for(student, recipe, fused=plan.fused_optimizer)
         self.scaler = torch.amp.GradScaler("cuda") if amp else None
         self.ema = WeightEMA(student, recipe.ema) if recipe.ema else None
         self.step_count = 0
@@ -287,6 +293,8 @@ class FineTuner:
              ) -> dict[str, torch.Tensor | float]:
         """One optimizer step at the schedule's learning rate; the loss parts (detached tensors) and the rate."""
         objective, mark = self.objective, self.clock.mark
+        begin_step(self.plan)
+        images = images.contiguous(memory_format=self.plan.memory_format)
         lr = lr_at(self.step_count, self.epochs * self.iters, self.epochs, objective.recipe)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -315,7 +323,9 @@ class FineTuner:
         loss part. The losses stay on the device (summed there) and are read every `show_every` steps for the
         progress bar and once at the end: a read waits for the device, and a wait every step stalls the GPU."""
         self.objective.student.train()
-        self.objective.teacher.eval()
+        self.objective.teacher.train(teacher_mode(self.objective.teacher, self.plan))
+        if self.plan.compiled:  # ranges may have been calibrated anew since the last epoch
+            refresh_scales(self.objective.student, self.objective.teacher)
         sums: dict[str, torch.Tensor] = {}
         n = 0
         pbar = tqdm(total=self.iters, desc=desc, bar_format=TQDM_BAR_FORMAT, disable=not desc)
@@ -326,7 +336,12 @@ class FineTuner:
             if batch is None:
                 break
             self.clock.mark("data (wait + host-to-device)")
+            first = self.first_step_s is None and self.plan.compiled
+            t0 = time.perf_counter()
             parts = self.step(*batch[:3])
+            if first:
+                parts["loss"].item()  # waits for the device, once
+                self.first_step_s = time.perf_counter() - t0
             lr = parts.pop("lr")
             n += 1
             for k, v in parts.items():
@@ -336,4 +351,5 @@ class FineTuner:
                 pbar.set_postfix(loss=f"{float(parts['loss']):.5f}", lr=f"{lr:.2e}")
             self.clock.mark("progress and bookkeeping")
         pbar.close()
+        self.objective.teacher.eval()
         return {k: float(v) / max(n, 1) for k, v in sums.items()}

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from models.distributed import World, data_parallel, init, shutdown_after, world_from_env
 from models.checkpoint import load_float_model, load_quantized_model, read_checkpoint, save_checkpoint
 from models.evaluate import NMSConfig, evaluate, metrics_table, val_loader
+from models.fast_step import STEP_MODES, compiled, plan_step, to_layout
 from models.finetune import FineTuner, QATObjective, QATRecipe, learnable_amax_parameters
 from models.mixed_precision import (MixedPrecision, choose_float_set, deployment_summary, float_candidates, keep_float,
                                     measure_candidates)
@@ -68,6 +69,7 @@ class RunConfig:
     batch_size: int = 10
     workers: int = 8
     cache: str | None = None          # upstream's --cache: training images decoded once, kept in "ram" or on "disk"
+    step: str = "auto"                # the fine-tuning step: compiled where it can be (models/fast_step.py), or eager
     num_image: int | None = None      # evaluate on the first N validation images only
     seed: int = 57                    # calibration sample, data order and augmentation of every epoch
     quant: QuantRecipe = field(default_factory=QuantRecipe)
@@ -89,6 +91,8 @@ class RunConfig:
             raise ValueError("--epochs and --iters must be >= 0")
         if self.cache not in (None, "ram", "disk"):
             raise ValueError(f"--cache {self.cache}: ram or disk")
+        if self.step not in STEP_MODES:
+            raise ValueError(f"--step must be one of {STEP_MODES}, got {self.step!r}")
         if self.control and self.control not in CONTROL_PARTS:
             raise ValueError(f"--float-control must be one of {CONTROL_PARTS}, got {self.control!r}")
         if self.control and not self.epochs:
@@ -424,9 +428,14 @@ class QuantizeRun:
             learnable_amax_parameters(model)
         loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=True, world=world)
         iters = cfg.iters or math.ceil(len(loader.dataset) / cfg.batch_size)  # 0: one pass over the images
-        forward = data_parallel(model, world, inputs.device)
-        with QATObjective(cfg.qat, model, teacher, inputs.hyp_dict, forward) as objective:
-            tuner = FineTuner(objective, cfg.epochs, iters, amp=inputs.device.type == "cuda")
+        plan = plan_step(cfg.step, inputs.device, inputs.task.has_masks, cfg.qat.learn_amax)
+        if world.main:
+            LOGGER.info(f"{PREFIX}fine-tuning step: {plan.reason}")
+        to_layout(model, plan), to_layout(teacher, plan)
+        forward = compiled(data_parallel(model, world, inputs.device), plan)
+        with QATObjective(cfg.qat, model, teacher, inputs.hyp_dict, forward, compiled(teacher, plan)) as objective:
+            tuner = FineTuner(objective, cfg.epochs, iters, amp=inputs.device.type == "cuda", plan=plan)
+            report["step"] = {"plan": plan.reason}
             if state is not None:
                 tuner.load_state(state, inputs.device)
             # epochs past the saved state are run again (seeded: the same); their entries would be duplicates
@@ -442,6 +451,10 @@ class QuantizeRun:
                 stage = self.stage_of(epoch + 1)
                 desc = f"{PREFIX}{stage} epoch {epoch + 1}/{cfg.epochs}" if world.main else ""  # one progress bar
                 losses = tuner.epoch(batches, desc)
+                if tuner.first_step_s is not None and "first_step_s" not in report["step"] and world.main:
+                    report["step"]["first_step_s"] = round(tuner.first_step_s, 1)
+                    LOGGER.info(f"{PREFIX}the compiled step's first iteration (tracing and compiling) took "
+                                f"{tuner.first_step_s:.1f} s")
                 if world.main:
                     self.end_epoch(epoch + 1, tuner, losses, time.perf_counter() - t0)
                 if epoch + 1 == cfg.float_epochs:

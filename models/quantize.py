@@ -191,12 +191,24 @@ class Int8Quantizer(TensorQuantizer):
             return fake_quant(inputs, self._get_amax(inputs), self._num_bits)
         if amax.requires_grad and torch.is_grad_enabled() and not torch.onnx.is_in_onnx_export():
             return fake_quant_learnable(inputs, amax, self._num_bits)
-        # amax changes by replacement (calibration, loading, moving: another tensor) or in place (a new version)
+        if torch.compiler.is_compiling():
+            # a trace cannot read amax back to the host: a compiled step computes every scale eagerly first
+            # (models/fast_step.py); a replaced cache fails the compiled graph's guards, which traces it again
+            params = getattr(self, "_params_cache", (None, None, None))[2]
+            if params is None:
+                raise RuntimeError("a compiled forward reached a quantizer whose scale was never computed eagerly")
+            return fake_quant_with(inputs, params)
+        return fake_quant_with(inputs, self.scale_params())
+
+    def scale_params(self) -> QuantParams:
+        """The fake-quantization parameters of the calibrated amax, computed once per amax value: amax changes by
+        replacement (calibration, loading, moving: another tensor) or in place (a new version)."""
+        amax = self._amax
         cached, version, params = getattr(self, "_params_cache", (None, None, None))
         if cached is not amax or version != amax._version:
             params = quant_params(amax, self._num_bits)
             self._params_cache = (amax, amax._version, params)
-        return fake_quant_with(inputs, params)
+        return params
 
     def __getstate__(self) -> dict:  # the cache is derived state: not pickled, not deep-copied
         state = super().__getstate__()

@@ -39,6 +39,10 @@ def parse_opt(argv=None):
     p.add_argument("--batch-size", type=int, default=32, help="global batch")
     p.add_argument("--imgsz", type=int, default=640)
     p.add_argument("--workers", type=int, default=8, help="dataloader workers per process")
+    p.add_argument("--cache", nargs="?", const="ram", default=None, choices=("ram", "disk"),
+                   help="decoded training images kept in RAM (or on disk), as qat.py quantize --cache")
+    p.add_argument("--step", choices=("auto", "eager"), default="auto", help="as qat.py quantize --step")
+    p.add_argument("--loader-batches", type=int, default=40, help="batches of the loader alone timed first (0: none)")
     p.add_argument("--device", default="0")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=50)
@@ -46,6 +50,19 @@ def parse_opt(argv=None):
     p.add_argument("--hyp", default="data/hyps/hyp.scratch-high.yaml")
     p.add_argument("--out", type=Path, default=overlay_repo() / "results" / "scaling")
     return p.parse_args(argv)
+
+
+def loader_images_per_s(loader, device, n: int, batch: int) -> float:
+    """The loader alone: images/s over `n` batches after 5 (workers started, first batches decoded)."""
+    from utils.batches import seeded_batches
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t0 = None
+    for i, _ in enumerate(seeded_batches(loader, device, n + 5, 0)):
+        if i == 4:
+            sync()
+            t0 = time.perf_counter()
+    sync()
+    return round(n * batch / (time.perf_counter() - t0), 1)
 
 
 def arm_result(tuner, loader, device, opt) -> dict:
@@ -68,12 +85,14 @@ def arm_result(tuner, loader, device, opt) -> dict:
     phases = {k: round(v / opt.breakdown_steps, 5) for k, v in tuner.clock.seconds.items()}
     tuner.clock = StepClock(None, enabled=False)
     return {"step_s": round(seconds / opt.steps, 5), "images_per_s": round(opt.steps * opt.batch_size / seconds, 1),
+            "first_step_s": None if tuner.first_step_s is None else round(tuner.first_step_s, 1),
             "breakdown_s_per_step": phases, "breakdown_total_s": round(sum(phases.values()), 5)}
 
 
 def main(argv=None) -> int:
     opt = parse_opt(argv)
     from models.distributed import data_parallel, init, shutdown_after, world_from_env
+    from models.fast_step import compiled, plan_step, to_layout
     from models.finetune import RECIPES, FineTuner, QATObjective
     from models.pipeline import RunConfig, train_loader
     from models.quantize import QuantRecipe, calibrate, copy_float, named_quantizers, quantize_model
@@ -97,11 +116,16 @@ def main(argv=None) -> int:
         teacher = copy_float(model)
         task = task_of(model)
         cfg = replace(RunConfig(weights="", data=opt.data, hyp=opt.hyp), imgsz=opt.imgsz, batch_size=opt.batch_size,
-                      workers=opt.workers)
+                      workers=opt.workers, cache=opt.cache)
         loader = train_loader(task, data, cfg, hyp, augment=True, world=world)
+        plan = plan_step(opt.step, device, task.has_masks, learn_amax=False)
+        results = {"step_plan": plan.reason}
+        if opt.loader_batches:
+            results["loader_images_per_s"] = loader_images_per_s(loader, device, opt.loader_batches,
+                                                                 opt.batch_size // world.size)
+        to_layout(teacher, plan)
         calib = [b.images for b in seeded_batches(train_loader(task, data, cfg, hyp, augment=False, world=world),
                                                   device, 2, 0)]
-        results = {}
         for arm in ("qat", "control"):
             student = quantize_model(copy.deepcopy(model), QuantRecipe(calib_method="max"))  # fresh parameters
             calibrate(student, QuantRecipe(calib_method="max"), calib, world)
@@ -109,10 +133,11 @@ def main(argv=None) -> int:
                 for _, q in named_quantizers(student):
                     q.disable()
             student.train()
-            with QATObjective(RECIPES["default"], student, teacher, hyp,
-                              data_parallel(student, world, device)) as objective:
+            to_layout(student, plan)
+            forward = compiled(data_parallel(student, world, device), plan)
+            with QATObjective(RECIPES["default"], student, teacher, hyp, forward, compiled(teacher, plan)) as objective:
                 tuner = FineTuner(objective, 1, opt.warmup + opt.steps + opt.breakdown_steps,
-                                  amp=device.type == "cuda")
+                                  amp=device.type == "cuda", plan=plan)
                 results[arm] = arm_result(tuner, loader, device, opt)
             world.barrier()
         if world.main:
@@ -124,14 +149,15 @@ def write(opt, results: dict, world_size: int) -> None:
     name = Path(opt.cfg).stem
     path = opt.out / f"{name}.json"
     old = json.loads(path.read_text()) if path.is_file() else {"model": name, "runs": []}
-    key = {"world_size": world_size, "global_batch": opt.batch_size, "imgsz": opt.imgsz}
-    runs = [r for r in old["runs"] if {k: r[k] for k in key} != key]
+    key = {"world_size": world_size, "global_batch": opt.batch_size, "imgsz": opt.imgsz, "step": opt.step}
+    runs = [r for r in old["runs"] if {k: r.get(k) for k in key} != key]
     run = {**key, "per_gpu_batch": opt.batch_size // world_size, "workers_per_process": opt.workers,
+           "cache": opt.cache,
            "steps": opt.steps, "breakdown_steps": opt.breakdown_steps, **results,
            "qat_over_control_step": round(results["qat"]["step_s"] / results["control"]["step_s"], 3),
            "commit": toolkit_commit(), "command": command_line(), "machine": machine()}
     single = next((r for r in runs if r["world_size"] == 1 and r["global_batch"] == opt.batch_size
-                   and r["imgsz"] == opt.imgsz), None)
+                   and r["imgsz"] == opt.imgsz and r.get("step") == opt.step), None)
     if world_size > 1 and single is not None:
         run["speedup"] = round(results["qat"]["images_per_s"] / single["qat"]["images_per_s"], 3)
     runs.append(run)

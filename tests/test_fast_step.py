@@ -1,0 +1,120 @@
+"""The compiled fine-tuning step (models/fast_step.py) against the eager one, on real upstream GELAN blocks and real
+quantizers: the same loss, gradients, updated weights and quantized outputs; and where the fast step applies."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+import yaml
+from conftest import CHECKOUT
+
+from models.fast_step import EAGER, StepPlan, plan_step, refresh_scales, teacher_mode
+from models.finetune import RECIPES, FineTuner, QATObjective
+from models.quantize import QuantRecipe, calibrate, copy_float, quantize_model
+
+NC = 3
+# Every block type GELAN models quantize (Conv, RepNCSPELAN4 with its residual adds, ADown, AConv, SPPELAN with its
+# max pools, Upsample, Concat, DDetect) at the fewest layers: compiling costs seconds per layer on a CPU.
+TINY_GELAN = {
+    "nc": NC, "depth_multiple": 1.0, "width_multiple": 1.0, "anchors": 3,
+    "backbone": [[-1, 1, "Conv", [16, 3, 2]], [-1, 1, "ADown", [32]], [-1, 1, "RepNCSPELAN4", [32, 32, 16, 1]],
+                 [-1, 1, "AConv", [48]], [-1, 1, "SPPELAN", [48, 24]]],
+    "head": [[-1, 1, "nn.Upsample", [None, 2, "nearest"]], [[-1, 2], 1, "Concat", [1]],
+             [-1, 1, "RepNCSPELAN4", [32, 32, 16, 1]], [[7, 4], 1, "DDetect", ["nc"]]],
+}
+
+
+def _batches(n: int, size: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        boxes = torch.cat([torch.tensor([[0.0], [0.0], [1.0], [1.0]]), torch.randint(0, NC, (4, 1), generator=g).float(),
+                           torch.rand(4, 2, generator=g) * 0.5 + 0.25, torch.rand(4, 2, generator=g) * 0.3 + 0.1], 1)
+        out.append((torch.rand(2, 3, size, size, generator=g), boxes))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_ptq(tmp_path_factory):
+    from models.yolo import Model
+    cfg = tmp_path_factory.mktemp("tiny") / "tiny-gelan.yaml"
+    cfg.write_text(yaml.safe_dump(TINY_GELAN))
+    torch.manual_seed(0)
+    model = Model(str(cfg), nc=NC).eval()
+    model.fuse()
+    teacher = copy_float(model)
+    quantize_model(model)
+    calibrate(model, QuantRecipe(calib_method="max"), [b[0] for b in _batches(2)])
+    return model, teacher
+
+
+def _train(model, teacher, plan: StepPlan, batches) -> tuple[list[float], dict, torch.nn.Module]:
+    """Losses of each step, the gradients after the first, and the student after all of them."""
+    from models.fast_step import compiled, to_layout
+    student, teacher = copy.deepcopy(model), copy.deepcopy(teacher)
+    to_layout(student, plan), to_layout(teacher, plan)
+    hyp = yaml.safe_load((CHECKOUT / "data/hyps/hyp.scratch-high.yaml").read_text())
+    losses, grads = [], {}
+    with QATObjective(RECIPES["default"], student, teacher, hyp, compiled(student, plan),
+                      compiled(teacher, plan)) as objective:
+        tuner = FineTuner(objective, 1, len(batches), amp=False, plan=plan)
+        student.train()
+        teacher.train(teacher_mode(teacher, plan))
+        if plan.compiled:  # as FineTuner.epoch does
+            refresh_scales(student, teacher)
+        for i, (images, targets) in enumerate(batches):
+            losses.append(float(tuner.step(images, targets, None)["loss"]))
+            if i == 0:
+                grads = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+    return losses, grads, student.eval()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def test_compiled_step_gives_the_eager_steps_numbers(tiny_ptq):
+    """Tolerances: the compiled step computes the same function in another order (fused kernels, channels-last
+    convolutions), so float32 sums differ in their last bits: ~2e-7 relative in the loss, the gradients and the
+    outputs here. An activation that lands that close to an INT8 rounding boundary moves by one quantization step;
+    the bounds leave room for a few such flips on other CPUs' kernels. Skipping the fake quantization in the
+    compiled forward moves the gradients by 1.2e-3 (tried), ten times the bound. Adam's update is ~lr per weight
+    whatever the gradient's size, so a weight whose gradient is ~0 can move differently: the updates (4.8e-4
+    relative here) get a looser bound."""
+    model, teacher = tiny_ptq
+    batches = _batches(3)
+    plan = StepPlan(compiled=True, channels_last=True, fused_optimizer=False, reason="test")
+    eager_losses, eager_grads, eager = _train(model, teacher, EAGER, batches)
+    torch._dynamo.reset()
+    fast_losses, fast_grads, fast = _train(model, teacher, plan, batches)
+    stats = torch._dynamo.utils.counters
+    assert not stats["graph_break"], dict(stats["graph_break"])  # whole graphs: nothing fell back to eager
+    assert stats["stats"]["unique_graphs"] >= 2  # the student's forward and the teacher's
+    assert eager_losses[0] > 0
+    for e, f in zip(eager_losses, fast_losses):
+        assert abs(e - f) <= 1e-5 * abs(e), (eager_losses, fast_losses)
+    assert eager_grads.keys() == fast_grads.keys() and len(eager_grads) > 20
+    total = _rel(torch.cat([g.flatten() for g in fast_grads.values()]),
+                 torch.cat([g.flatten() for g in eager_grads.values()]))
+    assert total < 1e-4, total
+    moved = _rel(torch.cat([p.flatten() for p in fast.parameters()]) - torch.cat([p.flatten() for p in model.parameters()]),
+                 torch.cat([p.flatten() for p in eager.parameters()]) - torch.cat([p.flatten() for p in model.parameters()]))
+    assert moved < 1e-2, moved
+    with torch.no_grad():
+        image = batches[0][0]
+        out_e, out_f = eager(image)[0], fast(image.contiguous(memory_format=torch.channels_last))[0]
+    assert _rel(out_f, out_e) < 1e-4
+
+
+def test_the_fast_step_where_it_applies():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert plan_step("auto", cuda, segmentation=False, learn_amax=False).compiled
+    for requested, device, seg, learn in (("eager", cuda, False, False), ("auto", cpu, False, False),
+                                          ("auto", cuda, True, False), ("auto", cuda, False, True)):
+        plan = plan_step(requested, device, seg, learn)
+        assert not plan.compiled and plan.reason.startswith("eager (")
+    assert not plan_step("eager", cuda, False, False).fused_optimizer  # --step eager: the step as it always was
+    with pytest.raises(ValueError, match="--step"):
+        plan_step("fast", cuda, False, False)
