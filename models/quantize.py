@@ -33,19 +33,13 @@ from pytorch_quantization import nn as quant_nn
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 from pytorch_quantization.tensor_quant import QuantDescriptor
 
-from models.calibrate import AMAX_METHODS, HistogramCollector
+from models.calibrate import (AMAX_METHODS, AUTO_CANDIDATES, HISTOGRAM_CANDIDATES, PER_QUANTIZER,  # noqa: F401
+                              HistogramCollector)
 from models.distributed import World, combine_statistics
 from models.common import AConv, ADown, Concat, RepNBottleneck
-from models.quantize_ranges import PER_QUANTIZER, SEARCH_IMAGES, search
+from models.quantize_ranges import SEARCH_IMAGES, search
 
 CALIB_METHODS = ("auto",) + AMAX_METHODS + (PER_QUANTIZER,)
-# What `auto` measures: every method, the percentile at the three values TensorRT users commonly take, and each
-# quantizer's pick among those by the error where it is read (models/quantize_ranges.py).
-HISTOGRAM_CANDIDATES: dict[str, tuple[str, float | None]] = {
-    "max": ("max", None), "mse": ("mse", None), "entropy": ("entropy", None),
-    "percentile-99.9": ("percentile", 99.9), "percentile-99.99": ("percentile", 99.99),
-    "percentile-99.999": ("percentile", 99.999)}
-AUTO_CANDIDATES: dict[str, tuple[str, float | None]] = {**HISTOGRAM_CANDIDATES, PER_QUANTIZER: (PER_QUANTIZER, None)}
 _MIN_AMAX = 1e-6  # TensorRT rejects a zero scale; a channel that is all zeros gets this instead
 
 
