@@ -38,6 +38,7 @@ from models.calibrate import (AMAX_METHODS, AUTO_CANDIDATES, HISTOGRAM_CANDIDATE
 from models.distributed import World, combine_statistics
 from models.common import AConv, ADown, Concat, RepNBottleneck
 from models.quantize_ranges import SEARCH_IMAGES, search
+from models.weight_cache import WeightCache
 
 CALIB_METHODS = ("auto",) + AMAX_METHODS + (PER_QUANTIZER,)
 _MIN_AMAX = 1e-6  # TensorRT rejects a zero scale; a channel that is all zeros gets this instead
@@ -190,11 +191,14 @@ class Int8Quantizer(TensorQuantizer):
         if cached is not amax or version != amax._version:
             params = quant_params(amax, self._num_bits)
             self._params_cache = (amax, amax._version, params)
-        return fake_quant_with(inputs, params)
+        if not hasattr(self, "_weight_cache"):  # also for quantizers unpickled from older checkpoints
+            self._weight_cache = WeightCache()
+        return self._weight_cache.get(inputs, amax, lambda: fake_quant_with(inputs, params))
 
-    def __getstate__(self) -> dict:  # the cache is derived state: not pickled, not deep-copied
+    def __getstate__(self) -> dict:  # the caches are derived state: not pickled, not deep-copied
         state = super().__getstate__()
         state.pop("_params_cache", None)
+        state.pop("_weight_cache", None)
         return state
 
     def set_amax(self, amax: torch.Tensor) -> None:
