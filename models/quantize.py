@@ -33,19 +33,14 @@ from pytorch_quantization import nn as quant_nn
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 from pytorch_quantization.tensor_quant import QuantDescriptor
 
-from models.calibrate import AMAX_METHODS, HistogramCollector
+from models.calibrate import (AMAX_METHODS, AUTO_CANDIDATES, HISTOGRAM_CANDIDATES, PER_QUANTIZER,  # noqa: F401
+                              HistogramCollector)
 from models.distributed import World, combine_statistics
 from models.common import AConv, ADown, Concat, RepNBottleneck
-from models.quantize_ranges import PER_QUANTIZER, SEARCH_IMAGES, search
+from models.quantize_ranges import SEARCH_IMAGES, search
+from models.weight_cache import WeightCache
 
 CALIB_METHODS = ("auto",) + AMAX_METHODS + (PER_QUANTIZER,)
-# What `auto` measures: every method, the percentile at the three values TensorRT users commonly take, and each
-# quantizer's pick among those by the error where it is read (models/quantize_ranges.py).
-HISTOGRAM_CANDIDATES: dict[str, tuple[str, float | None]] = {
-    "max": ("max", None), "mse": ("mse", None), "entropy": ("entropy", None),
-    "percentile-99.9": ("percentile", 99.9), "percentile-99.99": ("percentile", 99.99),
-    "percentile-99.999": ("percentile", 99.999)}
-AUTO_CANDIDATES: dict[str, tuple[str, float | None]] = {**HISTOGRAM_CANDIDATES, PER_QUANTIZER: (PER_QUANTIZER, None)}
 _MIN_AMAX = 1e-6  # TensorRT rejects a zero scale; a channel that is all zeros gets this instead
 
 
@@ -198,7 +193,10 @@ class Int8Quantizer(TensorQuantizer):
             if params is None:
                 raise RuntimeError("a compiled forward reached a quantizer whose scale was never computed eagerly")
             return fake_quant_with(inputs, params)
-        return fake_quant_with(inputs, self.scale_params())
+        params = self.scale_params()
+        if not hasattr(self, "_weight_cache"):  # also for quantizers unpickled from older checkpoints
+            self._weight_cache = WeightCache()
+        return self._weight_cache.get(inputs, amax, lambda: fake_quant_with(inputs, params))
 
     def scale_params(self) -> QuantParams:
         """The fake-quantization parameters of the calibrated amax, computed once per amax value: amax changes by
@@ -210,9 +208,10 @@ class Int8Quantizer(TensorQuantizer):
             self._params_cache = (amax, amax._version, params)
         return params
 
-    def __getstate__(self) -> dict:  # the cache is derived state: not pickled, not deep-copied
+    def __getstate__(self) -> dict:  # the caches are derived state: not pickled, not deep-copied
         state = super().__getstate__()
         state.pop("_params_cache", None)
+        state.pop("_weight_cache", None)
         return state
 
     def set_amax(self, amax: torch.Tensor) -> None:

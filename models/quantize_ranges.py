@@ -27,7 +27,6 @@ from tqdm import tqdm
 
 from models.losses import head_distillation
 
-PER_QUANTIZER = "per-quantizer"
 SEARCH_IMAGES = 16  # the first calibration images: the error is compared on these
 
 

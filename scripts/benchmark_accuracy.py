@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path.cwd()))
 from utils.benchmark_steps import (Bench, calibration_array, export, images_per_second, lint_summary,  # noqa: E402
                                    measure, mixed_summary, public, quantize_run, recipe_tag, run_step, sample_id,
                                    step_devices, yaml_split)
-from models.quantize import AUTO_CANDIDATES  # noqa: E402
+from models.calibrate import AUTO_CANDIDATES  # noqa: E402  (not models.quantize: it imports upstream's models.common)
 from utils.benchmark_tables import model_table, render, summarize  # noqa: E402
 from utils.datasplit import write_split  # noqa: E402
 from utils.io_utils import atomic_write, write_json  # noqa: E402

@@ -13,7 +13,8 @@ from models.checkpoint import load_float_model
 from models.losses import head_distillation
 from models.quantize import (HISTOGRAM_CANDIDATES, QuantRecipe, collect_statistics, named_quantizers,
                              quantize_model)
-from models.quantize_ranges import PER_QUANTIZER, SEARCH_IMAGES, call_order, search
+from models.calibrate import PER_QUANTIZER
+from models.quantize_ranges import SEARCH_IMAGES, call_order, search
 
 
 @pytest.fixture(scope="module")
