@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from models.evaluate import NMSConfig  # noqa: E402
+from models.fast_step import STEP_MODES  # noqa: E402
 from models.finetune import DISTILL_TARGETS, LR_SCHEDULES, RECIPES, QATRecipe  # noqa: E402
 from models.pipeline import CONTROL_PARTS, RunConfig, evaluate_checkpoint, quantize, resume, sensitivity  # noqa: E402
 from models.quantize import CALIB_METHODS, QuantRecipe, skip_patterns  # noqa: E402
@@ -85,7 +86,7 @@ def _run_flags(q):
     q.add_argument("--cache", type=str, nargs="?", const="ram", default=None, choices=("ram", "disk"),
                    help="decode the training images once, kept in RAM (or .npy files on disk), as upstream's --cache: "
                         "the same pixels, less CPU per step (upstream checks the RAM first)")
-    q.add_argument("--step", choices=("auto", "eager"), default="auto",
+    q.add_argument("--step", choices=STEP_MODES, default="auto",
                    help="the fine-tuning step: auto compiles it on a CUDA GPU (channels-last, CUDA graphs; the log "
                         "says which and why), eager runs it op by op")
     q.add_argument("--skip-layers", nargs="*", default=[], help="layer indices or module-name regexes kept in float")

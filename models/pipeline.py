@@ -431,7 +431,8 @@ class QuantizeRun:
         plan = plan_step(cfg.step, inputs.device, inputs.task.has_masks, cfg.qat.learn_amax)
         if world.main:
             LOGGER.info(f"{PREFIX}fine-tuning step: {plan.reason}")
-        to_layout(model, plan), to_layout(teacher, plan)
+        to_layout(model, plan)
+        to_layout(teacher, plan)
         forward = compiled(data_parallel(model, world, inputs.device), plan)
         with QATObjective(cfg.qat, model, teacher, inputs.hyp_dict, forward, compiled(teacher, plan)) as objective:
             tuner = FineTuner(objective, cfg.epochs, iters, amp=inputs.device.type == "cuda", plan=plan)

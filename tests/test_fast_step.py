@@ -54,7 +54,8 @@ def _train(model, teacher, plan: StepPlan, batches) -> tuple[list[float], dict, 
     """Losses of each step, the gradients after the first, and the student after all of them."""
     from models.fast_step import compiled, to_layout
     student, teacher = copy.deepcopy(model), copy.deepcopy(teacher)
-    to_layout(student, plan), to_layout(teacher, plan)
+    to_layout(student, plan)
+    to_layout(teacher, plan)
     hyp = yaml.safe_load((CHECKOUT / "data/hyps/hyp.scratch-high.yaml").read_text())
     losses, grads = [], {}
     with QATObjective(RECIPES["default"], student, teacher, hyp, compiled(student, plan),
