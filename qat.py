@@ -87,8 +87,9 @@ def _run_flags(q):
                    help="decode the training images once, kept in RAM (or .npy files on disk), as upstream's --cache: "
                         "the same pixels, less CPU per step (upstream checks the RAM first)")
     q.add_argument("--step", choices=STEP_MODES, default="auto",
-                   help="the fine-tuning step: auto compiles it on a CUDA GPU (channels-last, CUDA graphs; the log "
-                        "says which and why), eager runs it op by op")
+                   help="the fine-tuning step: auto compiles it on a CUDA GPU where the planned iterations repay the "
+                        "compile (channels-last, CUDA graphs; the log says which and why), inductor or cudagraphs "
+                        "compile it with that torch.compile backend, eager runs it op by op")
     q.add_argument("--skip-layers", nargs="*", default=[], help="layer indices or module-name regexes kept in float")
     q.add_argument("--no-eval-origin", action="store_true", help="do not evaluate the float model")
     q.add_argument("--no-eval-ptq", action="store_true", help="do not evaluate the PTQ model")

@@ -6,6 +6,7 @@ A graph with NMS inside (`num_dets`, `det_boxes`, ...) is read through those out
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -185,9 +186,25 @@ def evaluate(runner, loader, task: Task, nc: int, nms: NMSConfig = NMSConfig(), 
              keep_predictions: bool = False) -> dict:
     """Box (and mask) metrics of `runner` over `loader`'s batches, images/s of the runner alone, and with
     `keep_predictions` the COCO-json style box predictions (key "predictions")."""
-    from utils.segment.general import process_mask
     if desc:
         LOGGER.info(colorstr("eval: ") + desc)
+    with getattr(runner, "held", contextlib.nullcontext)():
+        stats, jdict, seen, t_infer = _run(runner, loader, task, nms, desc, keep_predictions)
+    stats = [torch.cat(x, 0).numpy() for x in zip(*stats)] if stats else []
+    metrics = summary(stats, 0, nc)
+    if task.has_masks:
+        metrics.update(summary(stats, 1, nc, "mask_"))
+    metrics.update({"images": seen, "ms_per_image": round(1000 * t_infer / max(seen, 1), 3)})
+    if keep_predictions:
+        metrics["predictions"] = jdict
+    return metrics
+
+
+def _run(runner, loader, task: Task, nms: NMSConfig, desc: str, keep_predictions: bool
+         ) -> tuple[list[tuple], list[dict], int, float]:
+    """The runner over every batch: per-image match statistics, COCO-json predictions (if kept), images seen and
+    the runner's own seconds."""
+    from utils.segment.general import process_mask
     fixed_batch = runner.input_shape[0]
     stats, jdict, seen, t_infer = [], [], 0, 0.0
     for batch in tqdm(loader, desc=colorstr("eval: ") + (desc or "evaluating"), bar_format=TQDM_BAR_FORMAT,
@@ -227,14 +244,7 @@ def evaluate(runner, loader, task: Task, nc: int, nms: NMSConfig = NMSConfig(), 
             stats.append((correct, correct_masks, pred[:, 4], pred[:, 5], labels[:, 0]))
             if keep_predictions:
                 jdict.extend(_coco_json(Path(paths[si]).stem, predn))
-    stats = [torch.cat(x, 0).numpy() for x in zip(*stats)] if stats else []
-    metrics = summary(stats, 0, nc)
-    if task.has_masks:
-        metrics.update(summary(stats, 1, nc, "mask_"))
-    metrics.update({"images": seen, "ms_per_image": round(1000 * t_infer / max(seen, 1), 3)})
-    if keep_predictions:
-        metrics["predictions"] = jdict
-    return metrics
+    return stats, jdict, seen, t_infer
 
 
 def _coco_json(stem: str, predn: torch.Tensor) -> list[dict]:

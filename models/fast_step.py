@@ -4,13 +4,16 @@ Eagerly, a fake-quantized step launches one kernel per op from Python (several p
 backward), and on a GPU the kernels are shorter than their launches: the GPU waits on the host. The fast step
 - keeps the student, the teacher and the images channels-last: cuDNN's FP16 convolutions are NHWC, and NCHW tensors
   cost a transpose on each side of every conv;
-- compiles the student's and the teacher's forward (and so the student's backward) with torch.compile: fake
-  quantization (TensorRT's symmetric ranges, one op each), activations, residual adds and average pooling fuse
-  into few kernels, replayed as CUDA graphs (one launch for a whole graph) in mode "reduce-overhead";
+- compiles the student's and the teacher's forward (and so the student's backward) with torch.compile and replays
+  them as CUDA graphs (one launch for a whole graph): with inductor (`--step inductor`, mode "reduce-overhead"),
+  fake quantization (TensorRT's symmetric ranges, one op each), activations, residual adds and average pooling also
+  fuse into few kernels; the "cudagraphs" backend (`--step cudagraphs`) captures the same ops unfused, for a
+  fraction of the compile time;
 - steps Adam with its fused kernel (models/finetune.py `optimizer_for`).
 Between the compiled forward and backward, the loss runs eagerly: upstream's target assignment reads counts back to
-the host and changes shape with every batch. Where the step cannot be compiled it runs eagerly, and the log says
-why once.
+the host and changes shape with every batch. The compile costs its first step; `--step auto` compiles only where
+the planned iterations repay it (`AUTO`). Where the step is not compiled it runs eagerly, and the log says why once.
+The scales the compiled forward reads are held per epoch (models/held_state.py says what invalidates them).
 """
 from __future__ import annotations
 
@@ -19,10 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from models.quantize import Int8Quantizer
-
-STEP_MODES = ("auto", "eager")
-COMPILE_MODE = "reduce-overhead"  # CUDA graphs over the compiled graphs: the launches were the cost
+STEP_MODES = ("auto", "inductor", "cudagraphs", "eager")
+COMPILE_MODE = "reduce-overhead"  # inductor's CUDA graphs over the compiled graphs: the launches were the cost
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class StepPlan:
     channels_last: bool
     fused_optimizer: bool
     reason: str
+    backend: str = "inductor"          # torch.compile's backend
+    mode: str | None = COMPILE_MODE    # its mode (inductor's; None for other backends)
 
     @property
     def memory_format(self) -> torch.memory_format:
@@ -42,18 +45,42 @@ class StepPlan:
 EAGER = StepPlan(compiled=False, channels_last=False, fused_optimizer=False, reason="eager")
 
 
-def plan_step(requested: str, device: torch.device, segmentation: bool, learn_amax: bool) -> StepPlan:
-    """The fast step where it applies: a CUDA device, a detection model, calibrated (not learned) ranges."""
+@dataclass(frozen=True)
+class AutoRule:
+    """What `--step auto` compiles with, and from how many planned iterations the compile repays its first step."""
+
+    backend: str
+    min_iterations: int
+
+
+AUTO = AutoRule("inductor", 0)
+
+
+def _compiled_plan(backend: str, why: str) -> StepPlan:
+    mode = COMPILE_MODE if backend == "inductor" else None
+    return StepPlan(True, True, True, f"compiled ({backend}{f', {mode}' if mode else ''}{why}), channels-last, "
+                                      "fused Adam", backend, mode)
+
+
+def plan_step(requested: str, device: torch.device, segmentation: bool, learn_amax: bool,
+              iterations: int | None = None, rule: AutoRule = AUTO) -> StepPlan:
+    """The fast step where it applies: a CUDA device, a detection model, calibrated (not learned) ranges, and for
+    `auto` at least `rule.min_iterations` planned iterations (None: unknown, compiled)."""
     if requested not in STEP_MODES:
         raise ValueError(f"--step must be one of {STEP_MODES}, got {requested!r}")
+    short = requested == "auto" and iterations is not None and iterations < rule.min_iterations
     why_not = ("--step eager" if requested == "eager" else
                "not a CUDA device" if device.type != "cuda" else
                "segmentation heads are not compiled yet" if segmentation else
-               "--learn-amax changes the ranges every step" if learn_amax else "")
+               "--learn-amax changes the ranges every step" if learn_amax else
+               f"{iterations} iterations planned: the compile repays its first step from about {rule.min_iterations}"
+               if short else "")
     if why_not:  # on a GPU, what needs no compiler still applies, unless the eager step was asked for
         gpu = device.type == "cuda" and requested != "eager"
         return StepPlan(False, gpu, gpu, f"eager ({why_not})" + (", channels-last, fused Adam" if gpu else ""))
-    return StepPlan(True, True, True, f"compiled ({COMPILE_MODE}), channels-last, fused Adam")
+    if requested == "auto":
+        return _compiled_plan(rule.backend, f"; {iterations} iterations planned" if iterations is not None else "")
+    return _compiled_plan(requested, "")
 
 
 def to_layout(model: nn.Module, plan: StepPlan) -> nn.Module:
@@ -63,16 +90,7 @@ def to_layout(model: nn.Module, plan: StepPlan) -> nn.Module:
 
 def compiled(forward: nn.Module, plan: StepPlan) -> nn.Module:
     """`forward` compiled for the plan (traced at its first call), or itself when the step is eager."""
-    return torch.compile(forward, mode=COMPILE_MODE) if plan.compiled else forward
-
-
-def refresh_scales(*models: nn.Module) -> None:
-    """Every calibrated quantizer's scale computed eagerly: a compiled forward reads them as constants (and traces
-    again when one is replaced), it cannot read amax back to the host itself."""
-    for model in models:
-        for m in model.modules():
-            if isinstance(m, Int8Quantizer) and getattr(m, "_amax", None) is not None:
-                m.scale_params()
+    return torch.compile(forward, backend=plan.backend, mode=plan.mode) if plan.compiled else forward
 
 
 def begin_step(plan: StepPlan) -> None:

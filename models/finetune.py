@@ -22,7 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from models.fast_step import EAGER, StepPlan, begin_step, refresh_scales, teacher_mode
+from models.fast_step import EAGER, StepPlan, begin_step, teacher_mode
+from models.held_state import held
 from models.losses import feature_maps, head_distillation
 from models.quantize import learnable_amax_parameters
 from models.task import task_of
@@ -320,12 +321,19 @@ class FineTuner:
 
     def epoch(self, batches: Iterator[tuple], desc: str, show_every: int = 10) -> dict[str, float]:
         """One epoch of `iters` iterations over (images 0-1, targets, masks or None, ...) batches; the mean of each
-        loss part. The losses stay on the device (summed there) and are read every `show_every` steps for the
-        progress bar and once at the end: a read waits for the device, and a wait every step stalls the GPU."""
+        loss part."""
         self.objective.student.train()
         self.objective.teacher.train(teacher_mode(self.objective.teacher, self.plan))
-        if self.plan.compiled:  # ranges may have been calibrated anew since the last epoch
-            refresh_scales(self.objective.student, self.objective.teacher)
+        # the ranges' scales for this epoch, computed from amax now (it may have been calibrated anew since)
+        with held(self.objective.student, self.objective.teacher):
+            sums, n = self._steps(batches, desc, show_every)
+        self.objective.teacher.eval()
+        return {k: float(v) / max(n, 1) for k, v in sums.items()}
+
+    def _steps(self, batches: Iterator[tuple], desc: str, show_every: int) -> tuple[dict[str, torch.Tensor], int]:
+        """The epoch's steps: the sums of the loss parts and the step count. The losses stay on the device (summed
+        there) and are read every `show_every` steps for the progress bar: a read waits for the device, and a wait
+        every step stalls the GPU."""
         sums: dict[str, torch.Tensor] = {}
         n = 0
         pbar = tqdm(total=self.iters, desc=desc, bar_format=TQDM_BAR_FORMAT, disable=not desc)
@@ -351,5 +359,4 @@ class FineTuner:
                 pbar.set_postfix(loss=f"{float(parts['loss']):.5f}", lr=f"{lr:.2e}")
             self.clock.mark("progress and bookkeeping")
         pbar.close()
-        self.objective.teacher.eval()
-        return {k: float(v) / max(n, 1) for k, v in sums.items()}
+        return sums, n

@@ -6,9 +6,9 @@ in `models/quantize_rules.py`.
 
 Quantizers are pytorch-quantization's `TensorQuantizer` (its modules, state and Q/DQ export format),
 with two speed/correctness changes kept in `Int8Quantizer`:
-- fake quantization runs through PyTorch's native fused kernels with scales computed once per amax
-  (no host sync and one to three kernels per quantizer and step; FP16 activations stay FP16), using the
-  same [-128, 127] range that the exported QuantizeLinear and TensorRT use, so the model that is trained
+- fake quantization runs through PyTorch's native fused kernels with scales computed once per epoch or
+  evaluation (models/held_state.py: no host sync and one to three kernels per quantizer and step; FP16
+  activations stay FP16), using the same [-128, 127] range that the exported QuantizeLinear and TensorRT use, so the model that is trained
   and evaluated is the model that is deployed;
 - calibration histograms use `models.calibrate.HistogramCollector` (fast, CPU and GPU, independent of batching).
 
@@ -38,7 +38,6 @@ from models.calibrate import (AMAX_METHODS, AUTO_CANDIDATES, HISTOGRAM_CANDIDATE
 from models.distributed import World, combine_statistics
 from models.common import AConv, ADown, Concat, RepNBottleneck
 from models.quantize_ranges import SEARCH_IMAGES, search
-from models.weight_cache import WeightCache
 
 CALIB_METHODS = ("auto",) + AMAX_METHODS + (PER_QUANTIZER,)
 _MIN_AMAX = 1e-6  # TensorRT rejects a zero scale; a channel that is all zeros gets this instead
@@ -118,8 +117,8 @@ class QuantParams(NamedTuple):
 def quant_params(amax: torch.Tensor, num_bits: int = 8) -> QuantParams:
     """Scale and zero point for symmetric INT8 from amax, as host values / plain tensors.
 
-    Built outside the autograd and ONNX traces, so the exported scale is a constant, and cached by the
-    quantizer, so a training step neither recomputes them nor waits on the GPU.
+    Built outside the autograd and ONNX traces, so the exported scale is a constant, and held for a whole training
+    epoch or evaluation (models/held_state.py), so a step neither recomputes them nor waits on the GPU.
     """
     bound = 2 ** (num_bits - 1) - 1
     scale = amax.detach().float().clamp_min(_MIN_AMAX).cpu().numpy() / bound
@@ -175,6 +174,8 @@ def fake_quant(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.
 class Int8Quantizer(TensorQuantizer):
     """TensorQuantizer with native fake-quant kernels and device-safe checkpoint loading."""
 
+    _held = None  # the values of an open models.held_state.held block (class default: also for unpickled quantizers)
+
     def __init__(self, quant_desc: QuantDescriptor):
         super().__init__(quant_desc)
         if quant_desc.axis is None:  # activations: one collector serves every method
@@ -186,35 +187,23 @@ class Int8Quantizer(TensorQuantizer):
             return fake_quant(inputs, self._get_amax(inputs), self._num_bits)
         if amax.requires_grad and torch.is_grad_enabled() and not torch.onnx.is_in_onnx_export():
             return fake_quant_learnable(inputs, amax, self._num_bits)
-        if torch.compiler.is_compiling():
-            # a trace cannot read amax back to the host: a compiled step computes every scale eagerly first
-            # (models/fast_step.py); a replaced cache fails the compiled graph's guards, which traces it again
-            params = getattr(self, "_params_cache", (None, None, None))[2]
-            if params is None:
-                raise RuntimeError("a compiled forward reached a quantizer whose scale was never computed eagerly")
-            return fake_quant_with(inputs, params)
-        params = self.scale_params()
-        if not hasattr(self, "_weight_cache"):  # also for quantizers unpickled from older checkpoints
-            self._weight_cache = WeightCache()
-        return self._weight_cache.get(inputs, amax, lambda: fake_quant_with(inputs, params))
+        if self._held is not None:  # inside a block of models/held_state.py: the scale computed at its start
+            return self._held.fake_quant(inputs)
+        if torch.compiler.is_compiling():  # a trace cannot read amax back to the host
+            raise RuntimeError("a compiled forward reached a quantizer outside a models.held_state.held block")
+        return fake_quant(inputs, amax, self._num_bits)
 
-    def scale_params(self) -> QuantParams:
-        """The fake-quantization parameters of the calibrated amax, computed once per amax value: amax changes by
-        replacement (calibration, loading, moving: another tensor) or in place (a new version)."""
-        amax = self._amax
-        cached, version, params = getattr(self, "_params_cache", (None, None, None))
-        if cached is not amax or version != amax._version:
-            params = quant_params(amax, self._num_bits)
-            self._params_cache = (amax, amax._version, params)
-        return params
-
-    def __getstate__(self) -> dict:  # the caches are derived state: not pickled, not deep-copied
+    def __getstate__(self) -> dict:  # a block's values belong to the block: never pickled or deep-copied
         state = super().__getstate__()
-        state.pop("_params_cache", None)
-        state.pop("_weight_cache", None)
+        state.pop("_held", None)
         return state
 
+    def _check_not_held(self) -> None:
+        if self._held is not None:
+            raise RuntimeError("a range changed inside a block that holds it fixed (models/held_state.py)")
+
     def set_amax(self, amax: torch.Tensor) -> None:
+        self._check_not_held()
         amax = amax.detach().float()
         if isinstance(getattr(self, "_amax", None), nn.Parameter):  # learned amax: keep the parameter object
             with torch.no_grad():
@@ -226,6 +215,7 @@ class Int8Quantizer(TensorQuantizer):
             self.register_buffer("_amax", amax)
 
     def clear_amax(self) -> None:
+        self._check_not_held()
         self._buffers.pop("_amax", None)
         self._parameters.pop("_amax", None)
 

@@ -1,8 +1,10 @@
 """Runners: a batch of float 0-1 NCHW images in, a dict of named output tensors out, for PyTorch, ONNX Runtime
-and TensorRT alike, so that one evaluation loop (models/evaluate.py) measures all three the same way."""
+and TensorRT alike, so that one evaluation loop (models/evaluate.py) measures all three the same way. A runner may
+offer `held()`: the block one evaluation runs it in."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ContextManager
 
 import numpy as np
 import onnx
@@ -27,6 +29,12 @@ class TorchRunner:
         self.output_names = list(self.task.output_names)
         self.input_shape: list[int | None] = [None, 3, None, None]
         self.max_batch = None
+
+    def held(self) -> ContextManager[None]:
+        """One evaluation's block: the quantizers' scales and the fake-quantized weights computed once for all its
+        batches (models/held_state.py)."""
+        from models.held_state import held  # pytorch-quantization: only for PyTorch models
+        return held(self.model, weights=True)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -79,6 +79,7 @@ def main(argv=None) -> int:
         p.error("needs a CUDA GPU (training-step costs on a CPU say nothing about a GPU's)")
 
     from models.finetune import RECIPES, FineTuner, QATObjective
+    from models.held_state import held
     from models.quantize import QuantRecipe, calibrate, copy_float, named_quantizers, quantize_model, quantizer_counts
     from models.yolo import Model
     from utils.batches import load_hyp
@@ -104,13 +105,14 @@ def main(argv=None) -> int:
         arms[arm] = FineTuner(objective, epochs=1, iters=opt.steps + opt.warmup, amp=True)
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     peak: dict[str, float] = {}
-    for i in range(opt.steps + opt.warmup):
-        for arm, tuner in arms.items():  # A, B, A, B, ...: drifts of clock or temperature hit both alike
-            torch.cuda.reset_peak_memory_stats()
-            t = timed(lambda: tuner.step(images[i % len(images)], targets, None))
-            peak[arm] = max(peak.get(arm, 0.0), torch.cuda.max_memory_allocated() / 2**30)
-            if i >= opt.warmup:
-                times[arm].append(t)
+    with held(*(tuner.objective.student for tuner in arms.values())):  # the scales, as FineTuner.epoch holds them
+        for i in range(opt.steps + opt.warmup):
+            for arm, tuner in arms.items():  # A, B, A, B, ...: drifts of clock or temperature hit both alike
+                torch.cuda.reset_peak_memory_stats()
+                t = timed(lambda: tuner.step(images[i % len(images)], targets, None))
+                peak[arm] = max(peak.get(arm, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+                if i >= opt.warmup:
+                    times[arm].append(t)
     for tuner in arms.values():
         tuner.objective.__exit__()
     result = {"model": Path(opt.cfg).stem, "batch_size": opt.batch_size, "imgsz": opt.imgsz, "what": WHAT,

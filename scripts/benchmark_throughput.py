@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path.cwd()))
 
 import torch  # noqa: E402
 
+from models.fast_step import STEP_MODES  # noqa: E402
 from utils.io_utils import write_json  # noqa: E402
 from utils.provenance import command_line, machine, overlay_repo, toolkit_commit  # noqa: E402
 
@@ -41,7 +42,7 @@ def parse_opt(argv=None):
     p.add_argument("--workers", type=int, default=8, help="dataloader workers per process")
     p.add_argument("--cache", nargs="?", const="ram", default=None, choices=("ram", "disk"),
                    help="decoded training images kept in RAM (or on disk), as qat.py quantize --cache")
-    p.add_argument("--step", choices=("auto", "eager"), default="auto", help="as qat.py quantize --step")
+    p.add_argument("--step", choices=STEP_MODES, default="auto", help="as qat.py quantize --step")
     p.add_argument("--loader-batches", type=int, default=40, help="batches of the loader alone timed first (0: none)")
     p.add_argument("--device", default="0")
     p.add_argument("--warmup", type=int, default=10)

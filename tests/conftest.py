@@ -153,6 +153,18 @@ def build_model(cfg: str, nc: int = 12, seed: int = 0):
     return model.eval()
 
 
+class NothingHeld:
+    """A runner without `held()`: models/evaluate.py then opens no block, and every batch quantizes every weight and
+    computes every scale again from the model as it is (what an evaluation with no cache at all computes)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.input_shape, self.task, self.output_names = runner.input_shape, runner.task, runner.output_names
+
+    def __call__(self, images):
+        return self.runner(images)
+
+
 def save_float_checkpoint(model, path: Path) -> Path:
     """Saved the way upstream train.py saves (pickled model in FP16)."""
     import copy

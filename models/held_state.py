@@ -1,0 +1,76 @@
+"""Values derived from a quantized model's ranges and weights, computed once inside a block that holds them fixed.
+
+The rule: a derived value lives only inside the `with` block that computed it. Whoever opens the block changes
+nothing the values were derived from until it ends, and on exit every value is dropped. No value outlives its block
+and none is keyed on tensor version counters: fused optimizers (Adam's fused kernel) and compiled or CUDA-graph
+code write tensors in place without bumping `_version`, so a version-keyed entry can serve old weights unseen (it
+did: every QAT epoch was judged on the weights of the first evaluation).
+
+- `held(*models)`: each calibrated quantizer's fake-quantization parameters (a host float per tensor, or
+  per-channel tensors) computed from its amax at entry. A training step reads them instead of reading amax back to
+  the host (a GPU sync per quantizer and step), and a compiled forward reads them as constants: it traces again when
+  a later block holds other values (its guards compare them). Opened by each fine-tuning epoch (models/finetune.py)
+  and each evaluation. A learned amax (a trained parameter) is not held: its grad-enabled forward computes its own
+  scale, and no-grad calls outside a block compute it from the current value. Changing a held range inside the
+  block (`set_amax`, loading a state dict, calibrating) raises instead of going unseen.
+- `held(..., weights=True)`: in addition each weight's fake-quantized value, computed at its first use in the block
+  and reused for every later batch (on a CPU quantizing a weight costs about as much as its convolution on a small
+  batch). For evaluation only (`models/runners.py` TorchRunner.held): nothing steps an optimizer there. Never used
+  while grad is enabled (training needs the rounding in the graph) or in an ONNX export (the weight's Q/DQ must be
+  traced).
+
+Outside any block nothing is cached: each call computes the parameters from amax as it is.
+
+Other derived values, and what invalidates them:
+- the per-quantizer range search (models/quantize_ranges.py) holds each weight at its INT8 value for the duration of
+  one `search` call and restores the float weights at its end; it changes no weight meanwhile;
+- the compiled forwards (models/fast_step.py) are traced again by torch.compile when a guarded value changes: the
+  held scales above (by value), tensor shapes, module attributes;
+- upstream's detection head keeps its anchors and strides on the module, recomputed when the input shape changes:
+  they depend on nothing else (the compiled teacher runs in training mode, without them, models/fast_step.py).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from models.quantize import Int8Quantizer, QuantParams, fake_quant_with, quant_params
+
+
+class Held:
+    """One quantizer's values inside a block: its parameters, and with `weights` its fake-quantized weight."""
+
+    def __init__(self, params: QuantParams, weights: bool):
+        self.params, self.weights = params, weights
+        self._weight: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.weights and isinstance(x, nn.Parameter) and not torch.is_grad_enabled()
+                and not torch.onnx.is_in_onnx_export()):
+            return fake_quant_with(x, self.params)
+        if self._weight is None or self._weight[0] is not x:
+            self._weight = (x, fake_quant_with(x, self.params))
+        return self._weight[1]
+
+
+def _holdable(models: tuple[nn.Module, ...]) -> list[Int8Quantizer]:
+    """Each calibrated quantizer once (a shared quantizer is one object), learned ranges excepted."""
+    found = {id(m): m for model in models for m in model.modules() if isinstance(m, Int8Quantizer)}
+    return [q for q in found.values()
+            if getattr(q, "_amax", None) is not None and not q._amax.requires_grad and q._scale_amax is None]
+
+
+@contextlib.contextmanager
+def held(*models: nn.Module, weights: bool = False) -> Iterator[None]:
+    """The block described in the module docstring. Nested blocks over the same quantizers keep the outer values."""
+    opened = [q for q in _holdable(models) if q._held is None]
+    for q in opened:
+        q._held = Held(quant_params(q._amax, q._num_bits), weights)
+    try:
+        yield
+    finally:
+        for q in opened:
+            q._held = None

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""The fine-tuning step's modes side by side on one host: one `qat.py quantize` run per seed and `--step` mode of
+one model and dataset, spread over the GPUs and all started together, so each mode sees the same machine. For each
+run: its plan, the select mAP50-95 after every epoch, the delivered stage with its select and val mAP50-95, the
+compiled step's first iteration, the epochs' training seconds and the wall time (start to finish, compile included).
+
+    python scripts/benchmark_step.py --weights W.pt --data D.yaml --imgsz 416 --seeds 0 1 2 \
+        --steps inductor eager --devices 0 1 --out results/fast-step/gelan-s-helmet-416.json -- --workers 4
+
+Run from the patched YOLOv9 checkout, on CUDA GPUs. Each run compiles with an inductor cache of its own, empty at
+its start: a first run's compile, as a user's first run pays it. Arguments after `--` go to every qat.py run.
+Writes --out (JSON, with each run's report.json beside it under --project) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path.cwd()))
+
+from models.fast_step import STEP_MODES  # noqa: E402
+from utils.io_utils import write_json  # noqa: E402
+from utils.provenance import command_line, machine, toolkit_commit  # noqa: E402
+
+
+def parse_opt(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--imgsz", type=int, default=640)
+    p.add_argument("--seeds", type=int, nargs="+", default=[57])
+    p.add_argument("--steps", nargs="+", choices=STEP_MODES, default=["auto", "eager"])
+    p.add_argument("--devices", nargs="+", default=["0"], help="GPUs, used in turn by the runs (cpu: a trial run)")
+    p.add_argument("--compile-threads", type=int, default=None,
+                   help="inductor's compile workers per run (its default: one per core, up to 32)")
+    p.add_argument("--project", type=Path, default=Path("runs/step"))
+    p.add_argument("--out", type=Path, required=True)
+    opt = p.parse_args(argv)
+    opt.extra = extra
+    return opt
+
+
+def start(opt, seed: int, step: str, device: str) -> dict:
+    name = f"{Path(opt.weights).stem}-{opt.imgsz}-seed{seed}-{step}"
+    folder = opt.project / name
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(folder / "inductor-cache"))
+    if device != "cpu":  # the run sees its GPU alone, as device 0
+        env["CUDA_VISIBLE_DEVICES"] = device
+    if opt.compile_threads:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(opt.compile_threads)
+    cmd = [sys.executable, "qat.py", "quantize", "--weights", opt.weights, "--data", opt.data, "--imgsz",
+           str(opt.imgsz), "--device", "cpu" if device == "cpu" else "0", "--seed", str(seed), "--step", step, "--project", str(opt.project),
+           "--name", name, "--exist-ok", *opt.extra]
+    log = open(folder.with_suffix(".log"), "w")
+    return {"seed": seed, "step": step, "device": device, "folder": folder, "t0": time.perf_counter(),
+            "process": subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), "log": log}
+
+
+def summary(run: dict) -> dict:
+    """One run's figures from its report.json."""
+    out = {"seed": run["seed"], "step": run["step"], "gpu": run["device"], "rc": run["rc"],
+           "wall_s": run["wall_s"], "report": str(run["folder"] / "report.json")}
+    report_file = run["folder"] / "report.json"
+    if run["rc"] or not report_file.is_file():
+        return out
+    r = json.loads(report_file.read_text())
+    final, val = r.get("final") or {}, r.get("val", {})
+    epochs = [e for e in r.get("qat", []) if e.get("stage") == "qat"]
+    return {**out, "plan": r.get("step", {}).get("plan"), "first_step_s": r.get("step", {}).get("first_step_s"),
+            "train_s": [e["train_s"] for e in epochs], "select_curve": [e["ap"] for e in epochs],
+            "origin": {"select": r["origin"]["ap"], "val": val.get("origin", {}).get("ap")},
+            "ptq_select": r["ptq"]["ap"], "calibration": r["calibration"]["chosen"],
+            "delivered": {"stage": final.get("stage"), "epoch": final.get("epoch"), "select": final.get("ap"),
+                          "val": val.get("final", {}).get("ap")}}
+
+
+def by_step(runs: list[dict]) -> dict:
+    """Per --step mode: mean and spread over seeds of what a user gets and waits for."""
+    out = {}
+    for step in dict.fromkeys(r["step"] for r in runs):
+        done = [r for r in runs if r["step"] == step and "delivered" in r]
+        if not done:
+            continue
+        row = {}
+        for key, values in (("delivered_val", [r["delivered"]["val"] for r in done]),
+                            ("delivered_select", [r["delivered"]["select"] for r in done]),
+                            ("wall_s", [r["wall_s"] for r in done])):
+            row[key] = {"mean": round(statistics.mean(values), 4),
+                        "std": round(statistics.stdev(values), 4) if len(values) > 1 else None}
+        row["delivered_stages"] = [f"{r['delivered']['stage']} {r['delivered']['epoch']}" for r in done]
+        out[step] = row
+    return out
+
+
+def table(runs: list[dict]) -> str:
+    head = ("| seed | --step | plan | first step s | train s (all epochs) | wall s | select after each epoch | PTQ select "
+            "| delivered | select | val |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for r in runs:
+        if "delivered" not in r:
+            rows.append(f"| {r['seed']} | {r['step']} | failed (rc {r['rc']}) | | | {r['wall_s']} | | | | | |")
+            continue
+        d = r["delivered"]
+        rows.append(f"| {r['seed']} | {r['step']} | {r['plan']} | {r['first_step_s'] or '-'} | "
+                    f"{sum(r['train_s']):.0f} | {r['wall_s']:.0f} | {' '.join(f'{v:.4f}' for v in r['select_curve'])} "
+                    f"| {r['ptq_select']:.4f} | {d['stage']} {d['epoch']} | {d['select']:.4f} | {d['val']:.4f} |")
+    return "\n".join([head, *rows])
+
+
+def main(argv=None) -> int:
+    opt = parse_opt(argv)
+    jobs = [(seed, step) for seed in opt.seeds for step in opt.steps]
+    running = [start(opt, seed, step, opt.devices[i % len(opt.devices)]) for i, (seed, step) in enumerate(jobs)]
+    while any("rc" not in r for r in running):
+        for run in running:
+            if "rc" not in run and run["process"].poll() is not None:
+                run["rc"], run["wall_s"] = run["process"].returncode, round(time.perf_counter() - run["t0"], 1)
+                run["log"].close()
+        time.sleep(1)
+    runs = [summary(r) for r in running]
+    result = {"what": "qat.py quantize runs side by side on one host, one per seed and --step mode",
+              "weights": opt.weights, "data": opt.data, "imgsz": opt.imgsz, "extra_args": opt.extra,
+              "runs": runs, "by_step": by_step(runs), "table": table(runs),
+              "commit": toolkit_commit(), "command": command_line(), "machine": machine()}
+    write_json(opt.out, result)
+    print(result["table"])
+    return int(any(r["rc"] for r in runs))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
