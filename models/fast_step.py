@@ -47,13 +47,29 @@ EAGER = StepPlan(compiled=False, channels_last=False, fused_optimizer=False, rea
 
 @dataclass(frozen=True)
 class AutoRule:
-    """What `--step auto` compiles with, and from how many planned iterations the compile repays its first step."""
+    """What `--step auto` compiles with: the first (backend, fewest planned iterations) tier the run reaches; below
+    the last tier it runs eagerly. A tier's threshold is where its compile has repaid itself against the next
+    cheaper choice: (first epoch's extra seconds) / (seconds saved per iteration)."""
 
-    backend: str
-    min_iterations: int
+    tiers: tuple[tuple[str, int], ...]
+
+    def backend_for(self, iterations: int | None) -> str | None:
+        """The backend for `iterations` planned iterations (None: unknown, the fastest step), or None (eager)."""
+        if iterations is None:
+            return self.tiers[0][0]
+        return next((backend for backend, least in self.tiers if iterations >= least), None)
+
+    @property
+    def min_iterations(self) -> int:
+        return self.tiers[-1][1]
 
 
-AUTO = AutoRule("inductor", 0)
+# Measured with scripts/benchmark_step.py (results/fast-step/, gelan-c on helmet, one H200 per run, batch 10, 200
+# iterations an epoch): the compile's extra first-epoch seconds and the steady epochs were, at 640 / 416 px,
+# inductor 156 / 158 s extra, 14.3 / 12.1 s an epoch; cudagraphs 49 / 44 s extra, 19.4 / 19.4 s; eager 31.5 / 30.3 s.
+# cudagraphs repays itself against eager after ~820 iterations at both sizes, inductor against cudagraphs after
+# ~3100-4200; the thresholds leave room for slower hosts (the compile runs on the CPU).
+AUTO = AutoRule((("inductor", 5000), ("cudagraphs", 1000)))
 
 
 def _compiled_plan(backend: str, why: str) -> StepPlan:
@@ -65,22 +81,21 @@ def _compiled_plan(backend: str, why: str) -> StepPlan:
 def plan_step(requested: str, device: torch.device, segmentation: bool, learn_amax: bool,
               iterations: int | None = None, rule: AutoRule = AUTO) -> StepPlan:
     """The fast step where it applies: a CUDA device, a detection model, calibrated (not learned) ranges, and for
-    `auto` at least `rule.min_iterations` planned iterations (None: unknown, compiled)."""
+    `auto` enough planned iterations to repay a compile (`rule`; None: unknown, compiled)."""
     if requested not in STEP_MODES:
         raise ValueError(f"--step must be one of {STEP_MODES}, got {requested!r}")
-    short = requested == "auto" and iterations is not None and iterations < rule.min_iterations
+    backend = rule.backend_for(iterations) if requested == "auto" else requested
     why_not = ("--step eager" if requested == "eager" else
                "not a CUDA device" if device.type != "cuda" else
                "segmentation heads are not compiled yet" if segmentation else
                "--learn-amax changes the ranges every step" if learn_amax else
-               f"{iterations} iterations planned: the compile repays its first step from about {rule.min_iterations}"
-               if short else "")
+               f"{iterations} iterations planned: a compile repays its first step from about {rule.min_iterations}"
+               if backend is None else "")
     if why_not:  # on a GPU, what needs no compiler still applies, unless the eager step was asked for
         gpu = device.type == "cuda" and requested != "eager"
         return StepPlan(False, gpu, gpu, f"eager ({why_not})" + (", channels-last, fused Adam" if gpu else ""))
-    if requested == "auto":
-        return _compiled_plan(rule.backend, f"; {iterations} iterations planned" if iterations is not None else "")
-    return _compiled_plan(requested, "")
+    planned = f"; {iterations} iterations planned" if requested == "auto" and iterations is not None else ""
+    return _compiled_plan(backend, planned)
 
 
 def to_layout(model: nn.Module, plan: StepPlan) -> nn.Module:

@@ -78,7 +78,7 @@ def summary(run: dict) -> dict:
     epochs = [e for e in r.get("qat", []) if e.get("stage") == "qat"]
     return {**out, "plan": r.get("step", {}).get("plan"), "first_step_s": r.get("step", {}).get("first_step_s"),
             "train_s": [e["train_s"] for e in epochs], "select_curve": [e["ap"] for e in epochs],
-            "origin": {"select": r["origin"]["ap"], "val": val.get("origin", {}).get("ap")},
+            "origin": {"select": (r.get("origin") or {}).get("ap"), "val": val.get("origin", {}).get("ap")},
             "ptq_select": r["ptq"]["ap"], "calibration": r["calibration"]["chosen"],
             "delivered": {"stage": final.get("stage"), "epoch": final.get("epoch"), "select": final.get("ap"),
                           "val": val.get("final", {}).get("ap")}}

@@ -111,9 +111,11 @@ def test_compiled_step_gives_the_eager_steps_numbers(tiny_ptq):
 
 def test_the_fast_step_where_it_applies():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    rule = AutoRule("cudagraphs", min_iterations=500)
-    plan = plan_step("auto", cuda, segmentation=False, learn_amax=False, iterations=500, rule=rule)
-    assert plan.compiled and plan.backend == "cudagraphs" and plan.mode is None
+    rule = AutoRule((("inductor", 5000), ("cudagraphs", 500)))
+    for iterations, backend, mode in ((500, "cudagraphs", None), (4999, "cudagraphs", None),
+                                      (5000, "inductor", "reduce-overhead"), (None, "inductor", "reduce-overhead")):
+        plan = plan_step("auto", cuda, segmentation=False, learn_amax=False, iterations=iterations, rule=rule)
+        assert plan.compiled and (plan.backend, plan.mode) == (backend, mode), (iterations, plan)
     for requested, device, seg, learn, iterations in (("eager", cuda, False, False, None), ("auto", cpu, False, False, None),
                                                       ("auto", cuda, True, False, None), ("auto", cuda, False, True, None),
                                                       ("auto", cuda, False, False, 499)):
@@ -169,3 +171,24 @@ def test_each_epoch_is_judged_on_the_weights_it_trained(demo_data320):
     assert not torch._dynamo.utils.counters["graph_break"]  # the forward ran as one traced graph
     assert graphs[0] >= 1 and graphs[1] == graphs[0], graphs  # traced once: the second epoch's scales matched
     assert curve[0]["ap50"] > 0.1  # a trained model: the curve is not of empty results
+
+
+def test_benchmark_step_runs_each_mode_side_by_side(demo_data, tmp_path):
+    """scripts/benchmark_step.py on the CPU: one qat.py run per --step mode, started together, each run's curve,
+    delivered stage, plan and wall time recorded. On a CPU both modes run the same eager step (seeded: the same
+    curve), and each plan says why."""
+    import json
+    from conftest import IMGSZ, run_cli
+    out = tmp_path / "step.json"
+    r = run_cli("scripts/benchmark_step.py", "--weights", TRAINED_T, "--data", demo_data, "--imgsz", IMGSZ,
+                "--seeds", 0, "--steps", "auto", "eager", "--devices", "cpu", "--project", tmp_path / "runs",
+                "--out", out, "--", "--epochs", 2, "--iters", 1, "--calib-method", "max", "--calib-batches", 1,
+                "--batch-size", 4, "--workers", 0, "--num-image", 4, "--select-min", 4, "--no-eval-origin")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    auto, eager = result["runs"]
+    assert (auto["step"], eager["step"]) == ("auto", "eager")
+    assert auto["plan"] == "eager (not a CUDA device)" and eager["plan"] == "eager (--step eager)"
+    assert len(auto["select_curve"]) == 2 and auto["select_curve"] == eager["select_curve"]
+    assert all(run["wall_s"] > 0 and run["delivered"]["stage"] in ("ptq", "qat") for run in (auto, eager))
+    assert set(result["by_step"]) == {"auto", "eager"} and "| 0 | auto |" in result["table"]
