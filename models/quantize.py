@@ -8,8 +8,8 @@ Quantizers are pytorch-quantization's `TensorQuantizer` (its modules, state and 
 with two speed/correctness changes kept in `Int8Quantizer`:
 - fake quantization runs through PyTorch's native fused kernels with scales computed once per epoch or
   evaluation (models/held_state.py: no host sync and one to three kernels per quantizer and step; FP16
-  activations stay FP16), using the same [-128, 127] range that the exported QuantizeLinear and TensorRT use, so the model that is trained
-  and evaluated is the model that is deployed;
+  activations stay FP16), using the same [-128, 127] range that the exported QuantizeLinear and TensorRT
+  use, so the model that is trained and evaluated is the model that is deployed;
 - calibration histograms use `models.calibrate.HistogramCollector` (fast, CPU and GPU, independent of batching).
 
 Calibration collects statistics once (`collect_statistics`); every candidate range (max, mse, entropy, three
