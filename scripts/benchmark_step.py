@@ -9,7 +9,8 @@ compiled step's first iteration, the epochs' training seconds and the wall time 
 
 Run from the patched YOLOv9 checkout, on CUDA GPUs. Each run compiles with an inductor cache of its own, empty at
 its start: a first run's compile, as a user's first run pays it. Arguments after `--` go to every qat.py run.
-Writes --out (JSON, with each run's report.json beside it under --project) and prints a table.
+Writes --out (JSON, with each run's report.json beside it under --project), the select curves beside it (PNG) and
+prints a table; `--render OUT.json` draws the curves of a recorded result again.
 """
 from __future__ import annotations
 
@@ -25,12 +26,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path.cwd()))
 
 from models.fast_step import STEP_MODES  # noqa: E402
-from utils.io_utils import write_json  # noqa: E402
+from utils.io_utils import atomic_write, write_json  # noqa: E402
 from utils.provenance import command_line, machine, toolkit_commit  # noqa: E402
 
 
 def parse_opt(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--render"]:
+        p = argparse.ArgumentParser()
+        p.add_argument("--render", type=Path, required=True, help="a JSON this script wrote: its curves drawn again")
+        return p.parse_args(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -117,8 +122,36 @@ def table(runs: list[dict]) -> str:
     return "\n".join([head, *rows])
 
 
+def plot_curves(result: dict, path: Path) -> Path:
+    """The select mAP50-95 after each epoch, one line per run (colour: --step mode, style: seed), PTQ at epoch 0."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = [r for r in result["runs"] if "select_curve" in r]
+    colours = {step: f"C{i}" for i, step in enumerate(dict.fromkeys(r["step"] for r in runs))}
+    seeds = list(dict.fromkeys(r["seed"] for r in runs))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        curve = [r["ptq_select"], *r["select_curve"]]
+        ax.plot(range(len(curve)), curve, color=colours[r["step"]], ls=("-", "--", ":", "-.")[seeds.index(r["seed"]) % 4],
+                marker=".", label=f"{r['step']}, seed {r['seed']}")
+    ax.set(xlabel="epoch (0: PTQ)", ylabel="select mAP50-95",
+           title=f"{Path(result['weights']).stem}, {result['imgsz']} px, {result['machine']['gpu'] or 'CPU'}")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     opt = parse_opt(argv)
+    if getattr(opt, "render", None):
+        if not opt.render.is_file():
+            raise SystemExit(f"benchmark_step: --render {opt.render}: file not found")
+        print(plot_curves(json.loads(opt.render.read_text()), opt.render.with_suffix(".png")))
+        return 0
     jobs = [(seed, step) for seed in opt.seeds for step in opt.steps]
     running = [start(opt, seed, step, opt.devices[i % len(opt.devices)]) for i, (seed, step) in enumerate(jobs)]
     while any("rc" not in r for r in running):
@@ -133,6 +166,7 @@ def main(argv=None) -> int:
               "runs": runs, "by_step": by_step(runs), "table": table(runs),
               "commit": toolkit_commit(), "command": command_line(), "machine": machine()}
     write_json(opt.out, result)
+    plot_curves(result, opt.out.with_suffix(".png"))
     print(result["table"])
     return int(any(r["rc"] for r in runs))
 

@@ -192,3 +192,8 @@ def test_benchmark_step_runs_each_mode_side_by_side(demo_data, tmp_path):
     assert len(auto["select_curve"]) == 2 and auto["select_curve"] == eager["select_curve"]
     assert all(run["wall_s"] > 0 and run["delivered"]["stage"] in ("ptq", "qat") for run in (auto, eager))
     assert set(result["by_step"]) == {"auto", "eager"} and "| 0 | auto |" in result["table"]
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    png.unlink()
+    r = run_cli("scripts/benchmark_step.py", "--render", out)  # the curves of a recorded result, drawn again
+    assert r.returncode == 0 and png.is_file(), r.stderr[-2000:]
