@@ -21,23 +21,50 @@ for arg in "$@"; do
   esac
 done
 
-pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Running pip as\|^WARNING: Location" || true; }
+# pip's own lines, but only those that say what it is doing now (one per package it fetches, then the install):
+# a fresh machine's install takes minutes and should not look hung; nothing when every package is already there.
+pip_install() {
+  "$PY" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 \
+    | grep --line-buffered -E "^(Collecting|Installing collected|Successfully installed|ERROR)" \
+    | sed -u "s/^/  pip: /" || true
+}
+
+# Whether every `name==version` given is installed at that version: pip's resolver takes ~30 s to say so, and
+# torch's setuptools>=77 requirement would undo the setuptools pin below on every run.
+pinned() {
+  "$PY" - "$@" <<'PY'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pip._vendor.packaging.version import Version  # what pip compares versions with (0.1.1-N is 0.1.1.postN)
+def ok(pin):
+    name, _, want = pin.partition("==")
+    try:
+        return Version(Version(version(name)).public) == Version(want)  # 2.14.1+cu130 is the pinned 2.14.1
+    except PackageNotFoundError:
+        return False
+sys.exit(0 if all(ok(p) for p in sys.argv[1:]) else 1)
+PY
+}
+PINS=$(grep -E '^[A-Za-z0-9_.-]+==' requirements.txt | tr '\n' ' ')
 
 echo "install_dependencies: Python $("$PY" -c 'import sys; print(sys.version.split()[0])')"
-if [ "$with_torch" = 1 ]; then
-  echo "install_dependencies: installing $TORCH_PINS and $(grep -c '==' requirements.txt) pinned packages" \
-       "(onnx, onnxruntime, opencv, ...); pip prints nothing while it works: about 1.5-3 min on a fresh machine," \
-       "seconds when they are already there"
-  pip_install -r requirements.txt $TORCH_PINS
+if pinned $PINS $([ "$with_torch" = 1 ] && echo $TORCH_PINS) pytorch-quantization==2.1.3 setuptools==69.5.1; then
+  echo "install_dependencies: every pinned package is already installed"
 else
-  echo "install_dependencies: installing $(grep -c '==' requirements.txt) pinned packages (about a minute on a fresh machine)"
-  pip_install -r requirements.txt
+  if [ "$with_torch" = 1 ]; then
+    echo "install_dependencies: installing $TORCH_PINS and $(grep -c '==' requirements.txt) pinned packages" \
+         "(onnx, onnxruntime, opencv, ...): about 1.5-3 min on a fresh machine"
+    pip_install -r requirements.txt $TORCH_PINS
+  else
+    echo "install_dependencies: installing $(grep -c '==' requirements.txt) pinned packages (about a minute on a fresh machine)"
+    pip_install -r requirements.txt
+  fi
+  # pytorch-quantization 2.1.3 is pure Python; its only unusual requirement (sphinx-glpi-theme) is for its docs.
+  pip_install --no-deps pytorch-quantization==2.1.3
+  # Upstream YOLOv9 imports pkg_resources, which setuptools >= 70 dropped; torch's setuptools>=77 pin only
+  # matters for compiling extensions, which this workflow never does.
+  pip_install --no-deps setuptools==69.5.1
 fi
-# pytorch-quantization 2.1.3 is pure Python; its only unusual requirement (sphinx-glpi-theme) is for its docs.
-pip_install --no-deps pytorch-quantization==2.1.3
-# Upstream YOLOv9 imports pkg_resources, which setuptools >= 70 dropped; torch's setuptools>=77 pin only
-# matters for compiling extensions, which this workflow never does.
-pip_install --no-deps setuptools==69.5.1
 
 "$PY" - <<'PY'
 import importlib

@@ -176,10 +176,7 @@ def test_two_process_calibration_equals_one_process(gelan_t_weights, demo_data, 
     the batch size (2 per rank vs 4) and change a value's last bits; one on a bin edge then lands in the next bin and
     moves a histogram range by one bin (seen: 3 of 336 quantizers). So a range may differ by at most one bin of its
     histogram (a power of two between 1/2048 and 1/1024 of the quantizer's maximum), for at most 5 % of the
-    quantizers (headroom over the 1 % seen; a batching dependence moves most of them, by many bins). The
-    per-quantizer ranges are searched by rank 0 on the same first calibration images as one process and broadcast:
-    every choice is the one process's up to the first quantizer whose candidate ranges differ (the search goes in
-    order, each choice seeing the earlier ones), and all of them where none differ."""
+    quantizers (headroom over the 1 % seen; a batching dependence moves most of them, by many bins)."""
     from models.calibrate import bin_width
     from models.quantize import HISTOGRAM_CANDIDATES
     common = ["quantize", "--weights", gelan_t_weights, "--data", demo_data, *COMMON, "--epochs", 0,
@@ -193,7 +190,7 @@ def test_two_process_calibration_equals_one_process(gelan_t_weights, demo_data, 
     assert reports["two"]["calibration_images"] == reports["one"]["calibration_images"]  # the same images
     ranges = {k: {m: _amax(f["file"]) for m, f in reports[k]["calibration"]["saved"].items()} for k in reports}
     one, two = ranges["one"], ranges["two"]
-    assert one.keys() == two.keys() == {*HISTOGRAM_CANDIDATES, "per-quantizer"}
+    assert one.keys() == two.keys() == {*HISTOGRAM_CANDIDATES}
     names = list(one["max"])
     assert len(names) > 100 and all(one[m].keys() == two[m].keys() == set(names) for m in one)
     acts = [n for n in names if one["max"][n].numel() == 1]
@@ -208,13 +205,39 @@ def test_two_process_calibration_equals_one_process(gelan_t_weights, demo_data, 
     print(f"{len(differ)} of {len(acts)} activation quantizers one bin apart, 2 processes vs 1")
     assert len(differ) <= 0.05 * len(acts), sorted(differ)
     assert all(torch.equal(one["max"][n], two["max"][n]) for n in names if n not in acts)  # weights: per channel
-    chosen = {k: reports[k]["calibration"]["per_quantizer"]["methods"] for k in reports}
-    order = list(chosen["one"])
-    assert order == list(chosen["two"]) and len(order) == len(acts)
-    first = next((i for i, n in enumerate(order) if n in differ), len(order))
-    assert [chosen["two"][n] for n in order[:first]] == [chosen["one"][n] for n in order[:first]]
-    for k in ranges:  # and each run's per-quantizer ranges are the ones its record names
-        assert all(torch.equal(ranges[k]["per-quantizer"][n], ranges[k][m][n]) for n, m in chosen[k].items())
+
+
+def _search_in_two_processes(rank: int, port: int, out: str) -> None:
+    """`per-quantizer` calibration of gelan-t (its first layers: a search costs a pass per quantizer and candidate)
+    on 2 gloo ranks, each its own share of two global batches, rank 1's model other than rank 0's (its own search
+    would choose otherwise); what each rank ends with saved."""
+    import torch.distributed as dist
+    from conftest import build_model
+
+    from models.distributed import World
+    from models.quantize import QuantRecipe, calibrate, named_quantizers, quantize_model
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    recipe = QuantRecipe(calib_method="per-quantizer", skip=(r"^model\.([4-9]|\d\d)\.",))
+    model = quantize_model(build_model("gelan-t", seed=rank).fuse(), recipe)
+    shares = [torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(10 * b + rank)) for b in range(2)]
+    stats = calibrate(model, recipe, shares, World(rank, 2, rank))
+    torch.save({"images": stats.images, "methods": stats.per_quantizer, "shares": shares,
+                "amax": {n: q.amax.clone() for n, q in named_quantizers(model, activations_only=True)}},
+               f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_per_quantizer_ranges_are_searched_once_and_held_by_every_rank(tmp_path):
+    """Rank 0 searches on the first calibration images in one process's order (each global batch: rank 0's share,
+    then rank 1's) and broadcasts: both ranks end with the same choice and the same ranges, bit for bit, though
+    rank 1's model differs."""
+    import torch.multiprocessing as mp
+    mp.start_processes(_search_in_two_processes, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    runs = [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
+    order = torch.cat([torch.cat([runs[0]["shares"][b], runs[1]["shares"][b]]) for b in range(2)])
+    assert torch.equal(runs[0]["images"], order) and torch.equal(runs[1]["images"], order)
+    assert len(runs[0]["methods"]) > 3 and runs[0]["methods"] == runs[1]["methods"]
+    assert all(torch.equal(a, runs[1]["amax"][n]) for n, a in runs[0]["amax"].items())
 
 
 def test_two_process_qat_writes_one_report_and_resume_checks_the_world(gelan_t_weights, demo_data, tmp_path):

@@ -18,8 +18,8 @@ TRAINED_RUN = ["--imgsz", 320, "--batch-size", 4, "--device", "cpu", "--workers"
 
 @pytest.fixture(scope="module")
 def quantize_run(demo_data320, tmp_path_factory):
-    """The trained demo gelan-t through PTQ and one short QAT epoch, evaluated on 40 images of its own data; 2
-    calibration images (auto's per-quantizer search runs the network once per quantizer and candidate on them)."""
+    """The trained demo gelan-t through PTQ (`auto`) and one short QAT epoch, evaluated on 40 images of its own
+    data; 2 calibration images."""
     project = tmp_path_factory.mktemp("qat")
     r = run_cli("qat.py", "quantize", "--weights", TRAINED_T, "--data", demo_data320, *TRAINED_RUN, "--batch-size", 2,
                 "--epochs", 1, "--iters", 2, "--calib-batches", 1, "--project", project, "--name", "run")
@@ -54,20 +54,16 @@ def test_quantize_writes_models_report_and_table(quantize_run):
 
 
 def test_auto_keeps_the_best_candidate_and_best_of_never_ships_worse(quantize_run, demo_data320):
-    """`auto` (the default) measured all seven candidate ranges on the select split and kept the best; the
-    per-quantizer candidate recorded each activation quantizer's pick among the six others, from the first
-    calibration images; the delivered model is the best on select of the PTQ model and every QAT epoch; the select
-    images were never calibrated or fine-tuned on."""
+    """`auto` (the default) measured the six one-rule candidate ranges on the select split and kept the best (the
+    per-quantizer search is not among them: minutes on a CPU for nothing outside noise, README); the delivered model
+    is the best on select of the PTQ model and every QAT epoch; the select images were never calibrated or fine-tuned
+    on."""
     save_dir, _ = quantize_run
     report = json.loads((save_dir / "report.json").read_text())
     cal = report["calibration"]
     assert report["config"]["quant"]["calib_method"] == "auto"
     one_rule = ["max", "mse", "entropy", "percentile-99.9", "percentile-99.99", "percentile-99.999"]
-    assert list(cal["candidates"]) == [*one_rule, "per-quantizer"]
-    picks = cal["per_quantizer"]
-    assert picks["images"] == 2 and len(picks["methods"]) == report["quantizers"]["activation"]
-    assert set(picks["methods"].values()) <= set(one_rule) and len(set(picks["methods"].values())) > 1
-    assert sum(picks["counts"].values()) == len(picks["methods"])
+    assert list(cal["candidates"]) == one_rule and "per_quantizer" not in cal
     assert cal["chosen"] == max(cal["candidates"], key=cal["candidates"].get)
     assert report["ptq"]["ap"] + report["ptq"].get("mask_ap", 0) == pytest.approx(cal["candidates"][cal["chosen"]])
     assert len(set(cal["candidates"].values())) > 1  # the candidates really differ: the choice is not a tie

@@ -26,7 +26,7 @@ def calibrated(demo_data320):
     images = torch.from_numpy(np.stack([cv2.resize(cv2.imread(str(f))[:, :, ::-1], (160, 160)) for f in files]))
     images = images.permute(0, 3, 1, 2).float().div(255)
     model = quantize_model(load_float_model(TRAINED_T), QuantRecipe())
-    stats = collect_statistics(model, QuantRecipe(calib_method="auto"), images.split(4))
+    stats = collect_statistics(model, QuantRecipe(calib_method=PER_QUANTIZER), images.split(4))
     return model, stats, images
 
 

@@ -35,8 +35,8 @@ def select_data(seg_data, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def seg_run(seg_data, select_data, tmp_path_factory):
     project = tmp_path_factory.mktemp("seg")
-    # 8 training images: all of them fine-tune, the first 2 calibrate (auto's per-quantizer search runs the network
-    # once per quantizer and candidate on them), the choices are made on val images (--select-data)
+    # 8 training images: all of them fine-tune, the first 2 calibrate, the choices are made on val images
+    # (--select-data)
     r = run_cli("qat.py", "quantize", "--weights", TRAINED_SEG, "--data", seg_data, *COMMON[:2], "--batch-size", 2,
                 *COMMON[4:], "--epochs", 1, "--iters", 4, "--calib-batches", 1, "--select-data", select_data,
                 "--project", project, "--name", "run")

@@ -65,6 +65,10 @@ def summarize(e: dict) -> dict:
         s["global_auto_choices"] = global_auto_choices(e)
         s["global_auto"] = spread([e["ptq"][m][seed]["val"]["ap"] for seed, m in s["global_auto_choices"].items()])
         s["per_quantizer_vs_global_auto"] = difference(s["ptq"][PER_QUANTIZER], s["global_auto"])
+        s["per_quantizer_won"] = per_quantizer_wins(e, s["global_auto_choices"])
+        s["auto_with_per_quantizer"] = spread([e["ptq"][PER_QUANTIZER if seed in s["per_quantizer_won"] else m][seed]
+                                               ["val"]["ap"] for seed, m in s["global_auto_choices"].items()])
+        s["auto_with_vs_without_per_quantizer"] = difference(s["auto_with_per_quantizer"], s["global_auto"])
     if "modelopt" in e:
         s["modelopt"] = {m: over(runs, "val") for m, runs in e["modelopt"].items()}
         peer = s["modelopt"][e["modelopt_choice"]]
@@ -89,6 +93,13 @@ def global_auto_choices(e: dict) -> dict[str, str]:
     methods = [m for m in e["ptq"] if m != PER_QUANTIZER]
     return {seed: max(methods, key=lambda m: (e["ptq"][m][seed]["select"]["ap"], -methods.index(m)))
             for seed in e["ptq"][methods[0]]}
+
+
+def per_quantizer_wins(e: dict, one_rule: dict[str, str]) -> list[str]:
+    """The seeds where `auto` with the per-quantizer candidate among its candidates (last, so a tie keeps the
+    one-rule method) would have chosen it: its select mAP above the best one-rule method's."""
+    per_q = e["ptq"][PER_QUANTIZER]
+    return [seed for seed, m in one_rule.items() if per_q[seed]["select"]["ap"] > e["ptq"][m][seed]["select"]["ap"]]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -299,10 +310,13 @@ def ptq_ranges_table(out: Path) -> str:
         rows.append(f"| {e['model']} | {e['dataset']} | {_where_measured(e['provenance'])} | {fmt(s['fp'])} | "
                     f"{fmt(select[0])} | {fmt(select[1])} | {fmt(s['global_auto'])} ({choices}) | "
                     f"{fmt(s['ptq'][PER_QUANTIZER])} | {fmt_difference(s['per_quantizer_vs_global_auto'])} | "
+                    f"{len(s['per_quantizer_won'])} of {len(per_q)} | "
+                    f"{fmt_difference(s['auto_with_vs_without_per_quantizer'])} | "
                     + (f"{min(search):.0f}-{max(search):.0f} s |" if search else "not recorded |"))
     return _markdown(("Model", "Data", "Where", "Float, val", "One-rule auto, select", "Per-quantizer, select",
                       "One-rule auto, val (its choice per seed)", "Per-quantizer, val", "Per-quantizer - one-rule",
-                      "Search time per seed"), rows, "No per-quantizer PTQ recorded yet.")
+                      "Seeds it won on select", "Auto with it - without it, val", "Search time per seed"),
+                     rows, "No per-quantizer PTQ recorded yet.")
 
 
 def _markdown(header: tuple[str, ...], rows: list[str], none: str) -> str:
