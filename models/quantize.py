@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Iterator, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -109,7 +110,7 @@ def skip_patterns(skip_layers: Iterable[str]) -> tuple[str, ...]:
 # --------------------------------------------------------------------------------------------------
 class QuantParams(NamedTuple):
     scale: float | torch.Tensor             # per tensor: a float; per channel: one value per output channel
-    inv_scale: torch.Tensor | None          # per channel: 1 / scale, as the native kernel computes it
+    inv_scale: float | torch.Tensor         # 1 / scale in float32, as the native kernels compute it
     zero_point: int | torch.Tensor
     bound: int                              # 127 for INT8: values are clamped to [-bound - 1, bound]
 
@@ -123,7 +124,8 @@ def quant_params(amax: torch.Tensor, num_bits: int = 8) -> QuantParams:
     bound = 2 ** (num_bits - 1) - 1
     scale = amax.detach().float().clamp_min(_MIN_AMAX).cpu().numpy() / bound
     if scale.size == 1:
-        return QuantParams(float(scale.reshape(())), None, 0, bound)
+        scale = scale.reshape(())
+        return QuantParams(float(scale), float(np.float32(1) / scale), 0, bound)
     scale = torch.from_numpy(scale.reshape(-1).copy()).to(amax.device)
     return QuantParams(scale, 1.0 / scale, torch.zeros_like(scale, dtype=torch.int32), bound)
 
@@ -141,7 +143,13 @@ def fake_quant_with(x: torch.Tensor, params: QuantParams) -> torch.Tensor:
     cast = dtype != torch.float32 and not (per_tensor and x.is_cuda and dtype in (torch.float16, torch.bfloat16))
     if cast:  # only where the kernel lacks the dtype; never in ONNX export, which traces FP32 (no Cast nodes)
         x = x.float()
-    if per_tensor:
+    if per_tensor and x.is_cpu and not (x.requires_grad and torch.is_grad_enabled()) \
+            and not torch.onnx.is_in_onnx_export() and not torch.compiler.is_compiling():
+        # Evaluation on a CPU: the native kernel takes ~2.5x as long as multiplying by the float32 1 / scale,
+        # rounding half to even, clamping and scaling in place, which give its values bit for bit (+ 0.0: its zeros
+        # are never negative; tests/test_quantize.py). Quantization was ~40 % of a CPU evaluation's time.
+        out = x.mul(inv_scale).round_().clamp_(-bound - 1, bound).mul_(scale).add_(0.0)
+    elif per_tensor:
         out = torch.fake_quantize_per_tensor_affine(x, scale, zero_point, -bound - 1, bound)
     elif torch.onnx.is_in_onnx_export():  # exports as QuantizeLinear/DequantizeLinear with axis=0
         out = torch.fake_quantize_per_channel_affine(x, scale, zero_point, 0, -bound - 1, bound)

@@ -31,6 +31,19 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
 
 
+# The files that take longest, longest first (pytest --durations on a 2-core CPU): xdist hands out whole files in
+# collection order (pytest.ini: loadfile, not reordered), so these start first and the last minutes are not one
+# long file on one core while the other waits. The rest follow in name order.
+LONGEST_FIRST = ("test_qat_cli.py", "test_upstream.py", "test_scripts.py", "test_segment.py", "test_resume.py",
+                 "test_sensitive.py", "test_export.py", "test_val_trt.py", "test_distributed.py",
+                 "test_mixed_precision.py")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), item.path.name))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cpu_share():
     import torch
@@ -163,6 +176,33 @@ class NothingHeld:
 
     def __call__(self, images):
         return self.runner(images)
+
+
+def tiny_gelan(nc: int) -> dict:
+    """A model yaml with every block type GELAN models quantize (Conv, RepNCSPELAN4 with its residual adds, ADown,
+    AConv, SPPELAN with its max pools, Upsample, Concat, DDetect) at the fewest layers: for what costs per layer
+    (compiling: seconds a layer on a CPU; `qat.py sensitive`: an evaluation per tensor class)."""
+    return {
+        "nc": nc, "depth_multiple": 1.0, "width_multiple": 1.0, "anchors": 3,
+        "backbone": [[-1, 1, "Conv", [16, 3, 2]], [-1, 1, "ADown", [32]], [-1, 1, "RepNCSPELAN4", [32, 32, 16, 1]],
+                     [-1, 1, "AConv", [48]], [-1, 1, "SPPELAN", [48, 24]]],
+        "head": [[-1, 1, "nn.Upsample", [None, 2, "nearest"]], [[-1, 2], 1, "Concat", [1]],
+                 [-1, 1, "RepNCSPELAN4", [32, 32, 16, 1]], [[7, 4], 1, "DDetect", ["nc"]]],
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_gelan_weights(tmp_path_factory) -> Path:
+    """A float checkpoint of tiny_gelan(12) (the demo datasets' classes), untrained."""
+    import torch
+    import yaml
+    from models.yolo import Model
+    folder = tmp_path_factory.mktemp("tiny")
+    (folder / "tiny-gelan.yaml").write_text(yaml.safe_dump(tiny_gelan(12)))
+    torch.manual_seed(0)
+    model = Model(str(folder / "tiny-gelan.yaml"), nc=12)
+    model.names = [f"class{i}" for i in range(12)]
+    return save_float_checkpoint(model.eval(), folder / "tiny-gelan.pt")
 
 
 def save_float_checkpoint(model, path: Path) -> Path:

@@ -13,7 +13,8 @@ from models.export import verify_parity
 from utils.onnx_utils import constant_values
 from utils.qdq_lint import lint, lint_file
 
-MODELS = ["gelan-t", "gelan-s", "gelan-c"]
+# the smallest and the flagship: the same block types at other widths and depths (gelan-s adds none of its own)
+MODELS = ["gelan-t", "gelan-c"]
 
 
 def _calib_images(demo_data, n=2):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch._dynamo
 import yaml
-from conftest import CHECKOUT, TRAINED_T, NothingHeld
+from conftest import CHECKOUT, TRAINED_T, NothingHeld, tiny_gelan
 
 from models.fast_step import EAGER, AutoRule, StepPlan, plan_step, teacher_mode
 from models.finetune import RECIPES, FineTuner, QATObjective
@@ -16,15 +16,7 @@ from models.held_state import held
 from models.quantize import QuantRecipe, calibrate, copy_float, quantize_model
 
 NC = 3
-# Every block type GELAN models quantize (Conv, RepNCSPELAN4 with its residual adds, ADown, AConv, SPPELAN with its
-# max pools, Upsample, Concat, DDetect) at the fewest layers: compiling costs seconds per layer on a CPU.
-TINY_GELAN = {
-    "nc": NC, "depth_multiple": 1.0, "width_multiple": 1.0, "anchors": 3,
-    "backbone": [[-1, 1, "Conv", [16, 3, 2]], [-1, 1, "ADown", [32]], [-1, 1, "RepNCSPELAN4", [32, 32, 16, 1]],
-                 [-1, 1, "AConv", [48]], [-1, 1, "SPPELAN", [48, 24]]],
-    "head": [[-1, 1, "nn.Upsample", [None, 2, "nearest"]], [[-1, 2], 1, "Concat", [1]],
-             [-1, 1, "RepNCSPELAN4", [32, 32, 16, 1]], [[7, 4], 1, "DDetect", ["nc"]]],
-}
+TINY_GELAN = tiny_gelan(NC)
 
 
 def _batches(n: int, size: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:

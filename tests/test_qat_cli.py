@@ -7,8 +7,6 @@ from pathlib import Path
 import pytest
 from conftest import IMGSZ, TRAINED_T, build_model, call_cli, run_cli, save_float_checkpoint
 
-from models.checkpoint import load_quantized_model
-from models.quantize import named_quantizers
 
 COMMON = ["--imgsz", IMGSZ, "--batch-size", 4, "--device", "cpu", "--workers", 0]
 
@@ -191,62 +189,6 @@ def test_float_epochs_are_the_controls_then_qat_continues_from_a_new_calibration
     assert report["qat_best"]["epoch"] == 2
 
 
-def test_sensitive_measures_every_tensor_class_on_select(demo_data320, tmp_path):
-    """The costs `--max-loss` measures, for every candidate (an INT8 tensor class and the convs reading it), on the
-    select split carved from the training images (the calibration images come from the rest), with the trained
-    demo gelan-t: the float model's select mAP is the one val_trt.py measures on exactly the select images (not
-    on val: 8 images against 100), and keeping tensor classes in float moves the score (costs of both signs)."""
-    # at 256 px (4/5 of the size it was trained at: it still finds the shapes), as each of its ~150 candidates is
-    # one evaluation
-    r = run_cli("qat.py", "sensitive", "--weights", TRAINED_T, "--data", demo_data320, "--imgsz", 256,
-                "--batch-size", 4, "--device", "cpu", "--workers", 0, "--calib-batches", 2, "--calib-method", "max",
-                "--project", tmp_path, "--name", "s")
-    assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads((tmp_path / "s" / "summary-sensitive-analysis.json").read_text())
-    assert summary["select"]["source"] == "train" and summary["select"]["fit_images"] > 0
-    select = tmp_path / "s" / "split" / "select.txt"
-    assert len(select.read_text().split()) == summary["select"]["images"] == 8
-    candidates = summary["candidates"]
-    assert len(candidates) > 100 and {d["layer"] for d in candidates} >= {0, 22}
-    costs = [d["cost"] for d in candidates]
-    assert costs == sorted(costs, reverse=True) and sum(d["mac_share"] for d in candidates) == pytest.approx(1, abs=1e-3)
-    assert costs[0] > 0 > costs[-1] and summary["baseline_ptq"]["ap"] != summary["origin_select"]["ap"]
-    data = tmp_path / "select.yaml"
-    data.write_text(f"path: {tmp_path}\ntrain: {select}\nval: {select}\nnc: 12\nnames: {list(range(12))}\n")
-    r = call_cli("val_trt.py", "--weights", TRAINED_T, "--data", data, "--imgsz", 256, "--batch-size", 8,
-                 "--device", "cpu", "--workers", 0, "--project", tmp_path, "--name", "fp")
-    assert r.returncode == 0, r.stderr[-2000:]
-    independent = json.loads((tmp_path / "fp" / "val_trt.json").read_text())
-    # a float model (no rounding to flip); another batch size moves the convolutions' last bits at most
-    assert independent["ap"] == pytest.approx(summary["origin_select"]["ap"], abs=1e-3)
-    assert (tmp_path / "s" / "sensitive-analysis.png").stat().st_size > 1000
-    assert "| Rank | Tensor class" in summary["table"]
-
-
-@pytest.mark.parametrize("choice", ["--select-data", "--no-select"])
-def test_sensitive_takes_the_select_split_it_is_given(choice, gelan_t_weights, demo_data, tmp_path):
-    """`--select-data D` measures on D's val images (the training images are not split); `--no-select` on the val
-    images themselves, and says so. The val list holds 3 of demo_data's images: every tensor class is measured on
-    it, and which images it holds is what this test is about."""
-    import yaml
-    data = yaml.safe_load(demo_data.read_text())
-    val = tmp_path / "val.txt"
-    val.write_text("".join(f"{f}\n" for f in sorted((demo_data.parent / "images" / "val").iterdir())[:3]))
-    data.update(path=str(demo_data.parent), val=str(val))
-    three = tmp_path / "three.yaml"
-    three.write_text(yaml.safe_dump(data))
-    extra = ["--select-data", three] if choice == "--select-data" else ["--no-select"]
-    r = run_cli("qat.py", "sensitive", "--weights", gelan_t_weights, "--data", three if choice == "--no-select" else
-                demo_data, *COMMON, "--calib-batches", 1, "--calib-method", "max", "--project", tmp_path, "--name", "s",
-                *extra)
-    assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads((tmp_path / "s" / "summary-sensitive-analysis.json").read_text())
-    assert summary["select"]["source"] == {"--select-data": "select-data", "--no-select": "val"}[choice]
-    assert summary["select"]["images"] == 3  # the 3 val images, whichever way they were named
-    if choice == "--no-select":
-        assert "optimistic" in r.stderr + r.stdout
-
-
 @pytest.fixture(scope="module")
 def dual_weights(tmp_path_factory):
     return save_float_checkpoint(build_model("yolov9-t"), tmp_path_factory.mktemp("dual") / "yolov9-t.pt")
@@ -293,94 +235,6 @@ def test_bad_input_is_one_clear_error(case, gelan_t_weights, demo_data, dual_wei
 # Resume, interruption, checkpoint trust, inputs that would make the result meaningless, permissions
 # --------------------------------------------------------------------------------------------------
 # a fixed calibration method: auto's search is not what these tests are about (test_auto_... is)
-TINY = [*COMMON, "--epochs", 2, "--iters", 2, "--calib-batches", 1, "--num-image", 4, "--no-eval-origin",
-        "--calib-method", "mse"]
-
-
-def _popen(*args):
-    import os
-    import signal
-    import subprocess
-    import sys
-    from conftest import CHECKOUT
-    # Ctrl-C as in a terminal: a suite started in the background (`cmd &`, nohup) inherits SIGINT ignored, and
-    # Python then never raises KeyboardInterrupt
-    return subprocess.Popen([sys.executable, str(CHECKOUT / "qat.py"), *map(str, args)], cwd=CHECKOUT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-
-
-def _wait_for(pattern_dir, glob, proc, timeout=600):
-    import time
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if list(pattern_dir.glob(glob)):
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended early: {proc.stderr.read()[-2000:]}")
-        time.sleep(0.2)
-    raise AssertionError(f"{glob} never appeared")
-
-
-def _summary(run_dir):
-    report = json.loads((run_dir / "report.json").read_text())
-    mixed = {k: v for k, v in report.get("mixed_precision", {}).items() if k != "seconds"}
-    return (sorted(p.name for p in (run_dir / "weights").iterdir()),
-            [(e["epoch"], e["ap"], e["loss"]) for e in report["qat"]], report["qat_best"]["epoch"],
-            report["select"], report["calibration"]["chosen"], report["calibration"]["candidates"],
-            {k: report["final"][k] for k in ("stage", "epoch", "ap")}, mixed)
-
-
-# the budget with the trained model clipped at its median activation: PTQ far below the float model on select, so
-# the run has to choose
-@pytest.mark.parametrize("budget", [[], ["--max-loss", 0, "--calib-method", "percentile", "--percentile", 50,
-                                         "--num-image", 12]], ids=["all-int8", "max-loss"])
-def test_killed_run_resumes_to_the_same_result(budget, demo_data, tmp_path):
-    """SIGKILL after the first QAT epoch, then --resume: the same files and numbers as an uninterrupted run
-    (each epoch's data order and augmentation are seeded by the epoch), the same select split, calibration choice
-    and delivered model, no temp files left behind. With `--max-loss 0` the tensor classes kept in float too: the
-    resumed run keeps the choice it made, with the same classes in float, rather than choosing again."""
-    import signal
-    args = ["quantize", "--weights", TRAINED_T, "--data", demo_data, *TINY, *budget, "--project", tmp_path]
-    full = run_cli("qat.py", *args, "--name", "full")
-    assert full.returncode == 0, full.stderr[-3000:]
-    proc = _popen(*args, "--name", "killed")
-    _wait_for(tmp_path / "killed" / "weights", "qat_ep_1_*.pt", proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    report = json.loads((tmp_path / "killed" / "report.json").read_text())
-    assert report["ptq"] is not None and not report.get("finished")  # written at every stage
-    r = run_cli("qat.py", "quantize", "--resume", tmp_path / "killed", "--device", "cpu", "--workers", 0)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming" in r.stdout + r.stderr
-    assert _summary(tmp_path / "killed") == _summary(tmp_path / "full")
-    assert not list((tmp_path / "killed").rglob("*.tmp")) and not list((tmp_path / "killed").rglob("qat_state.pt"))
-    again = run_cli("qat.py", "quantize", "--resume", tmp_path / "killed", "--device", "cpu")
-    assert again.returncode == 2 and "nothing to resume" in again.stderr
-    if budget:  # the choice was made (the all-INT8 PTQ is below the float model) and the delivered file holds it
-        mixed = json.loads((tmp_path / "killed" / "report.json").read_text())["mixed_precision"]
-        assert mixed["measured"] and mixed["max_loss"] == 0
-        delivered = load_quantized_model(tmp_path / "killed" / "weights" / "best_gelan-t-demo.pt")
-        kept = {c["name"] for c in mixed["kept_float"]}
-        assert {n for n, q in named_quantizers(delivered, activations_only=True) if q._disabled} == kept
-
-
-def test_ctrl_c_says_how_to_resume(gelan_t_weights, demo_data, tmp_path):
-    import signal
-    # long enough a QAT stage (minutes) that the signal lands inside it, whatever the machine's speed
-    args = [*COMMON, "--epochs", 50, "--iters", 100, "--calib-batches", 1, "--calib-method", "max", "--num-image", 4,
-            "--no-eval-origin"]
-    proc = _popen("quantize", "--weights", gelan_t_weights, "--data", demo_data, *args, "--project", tmp_path,
-                  "--name", "x")
-    _wait_for(tmp_path / "x" / "weights", "ptq_*.pt", proc)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130
-    assert f"resume with: python qat.py quantize --resume {tmp_path / 'x'}" in err
-    assert "Traceback" not in err
-
-
 def _evil_checkpoint(path, marker):
     import os
     import torch

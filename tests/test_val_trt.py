@@ -35,11 +35,22 @@ def quantized(demo_data320, tmp_path_factory):
     return weights, weights.with_suffix(".onnx")
 
 
+@pytest.fixture(scope="module")
+def fp32_graph(quantized, tmp_path_factory):
+    """The same model's FP32 Q/DQ graph (PyTorch's arithmetic; TensorRT 10's weakly typed input), exported once."""
+    weights = tmp_path_factory.mktemp("fp32") / "fp32.pt"
+    shutil.copy(quantized[0], weights)
+    r = run_cli("export_qat.py", "--weights", weights, "--include", "onnx", "--dynamic", "--imgsz", SIZE, "--dtype",
+                "fp32")
+    assert r.returncode == 0, r.stderr[-2000:]
+    return weights, weights.with_suffix(".onnx")
+
+
 def f1(result: dict) -> float:
     return 2 * result["precision"] * result["recall"] / max(result["precision"] + result["recall"], 1e-9)
 
 
-def test_onnxruntime_backend_equals_pytorch(quantized, demo_data320, tmp_path):
+def test_onnxruntime_backend_equals_pytorch(fp32_graph, demo_data320):
     """The same metric loop over the PyTorch fake-quant model and over ONNX Runtime running its FP32 Q/DQ export
     (PyTorch's arithmetic; what FP16 activations add is tests/test_deploy.py's).
 
@@ -56,12 +67,7 @@ def test_onnxruntime_backend_equals_pytorch(quantized, demo_data320, tmp_path):
     from models.runners import OnnxRuntimeRunner, open_runner
     from models.task import DETECT
     from utils.batches import load_data
-    weights = tmp_path / "fp32.pt"
-    shutil.copy(quantized[0], weights)
-    r = run_cli("export_qat.py", "--weights", weights, "--include", "onnx", "--dynamic", "--imgsz", SIZE, "--dtype",
-                "fp32")
-    assert r.returncode == 0, r.stderr[-2000:]
-    onnx_path = weights.with_suffix(".onnx")
+    weights, onnx_path = fp32_graph
     data = load_data(demo_data320)
     loader = val_loader(DETECT, data, SIZE, 4, 0)
     ours = evaluate(OnnxRuntimeRunner(onnx_path), loader, DETECT, data["nc"])
@@ -78,19 +84,16 @@ def test_onnxruntime_backend_equals_pytorch(quantized, demo_data320, tmp_path):
     assert f1(ours) == pytest.approx(f1(ref), abs=0.025) and f1(ref) > 0.2
 
 
-def test_detections_match_box_for_box(quantized, demo_data320, tmp_path):
+def test_detections_match_box_for_box(fp32_graph, demo_data320):
     """Per detection on a trained model, FP32 graph (PyTorch's arithmetic): every reference box scoring 0.1 above
     the threshold has a candidate of the same class, IoU >= 0.8 and score within 0.1 in ONNX Runtime's raw output
     (models/export.py says why these bounds hold on any x86 CPU's kernels)."""
     import export_qat
     from models.checkpoint import load_for_export
     from models.export import verify_parity
-    weights = tmp_path / "fp32.pt"
-    shutil.copy(quantized[0], weights)
-    r = run_cli("export_qat.py", "--weights", weights, "--dynamic", "--imgsz", SIZE, "--dtype", "fp32")
-    assert r.returncode == 0, r.stderr[-2000:]
+    weights, onnx_path = fp32_graph
     images = export_qat.verification_images(str(demo_data320), SIZE, 4, 25)
-    parity = verify_parity(load_for_export(weights), weights.with_suffix(".onnx"), images)
+    parity = verify_parity(load_for_export(weights), onnx_path, images)
     print(parity)
     assert parity["detections_counted"] > 50 and parity["detections_matched"] >= 0.97, parity
 
