@@ -231,7 +231,7 @@ def test_evaluation_on_a_cpu_quantizes_as_the_native_kernel_bit_for_bit(amax):
     """Without a gradient on a CPU, fake_quant multiplies by the float32 1 / scale, rounds half to even, clamps and
     scales (the native kernel is ~2.5x slower there): the same values, bit for bit, as the kernel that training,
     the GPU and the ONNX export use, on values at and one float either side of every rounding boundary, at the
-    clamp, and a million random ones. (With 1 / scale taken in float64 values differ at some scales.)"""
+    clamp, and a million random ones: dividing by the scale instead, or leaving negative zeros, fails here."""
     scale = float(np.float32(amax) / np.float32(127))
     k = torch.arange(-140, 140, dtype=torch.float32)
     edges = (k + 0.5) * scale
