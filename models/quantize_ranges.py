@@ -1,5 +1,5 @@
 """Activation ranges chosen per quantizer by what they do to the detector's outputs (`--calib-method
-per-quantizer`, one of `auto`'s candidates).
+per-quantizer`; not one of `auto`'s candidates: models/calibrate.py says why).
 
 The other calibration methods give every activation quantizer a range by one rule (max, mse, entropy, a
 percentile), each judged on the histogram of its own input. Here each quantizer takes whichever of those ranges
