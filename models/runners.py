@@ -66,6 +66,9 @@ def ort_session(path: str | Path, optimize: bool = False):
     so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                    else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     so.log_severity_level = 3
+    # PyTorch's thread count (OMP_NUM_THREADS where set): ONNX Runtime's own default is every core, and its threads
+    # spin while waiting, so two evaluations sharing a machine slowed each other by half (two workers, 2 cores)
+    so.intra_op_num_threads = torch.get_num_threads()
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 

@@ -223,9 +223,8 @@ class PreloadedPython:
     """tests/preloaded_python.py, started once per environment in this worker: each run a fresh process forked from a
     Python that has imported torch and the checkout (~12 s a start saved, of ~100 starts in the suite)."""
 
-    def __init__(self, env: dict):
-        self.env = env
-        self.server = subprocess.Popen([sys.executable, str(REPO / "tests" / "preloaded_python.py")], cwd=CHECKOUT,
+    def __init__(self, env: dict, cwd: Path):
+        self.server = subprocess.Popen([sys.executable, str(REPO / "tests" / "preloaded_python.py")], cwd=cwd,
                                        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.pending = b""  # what was read of the server's answers past the last whole line
         self._answer("ready")
@@ -269,18 +268,28 @@ class PreloadedPython:
         self.server.wait()
 
 
-_PRELOADED: list[PreloadedPython] = []  # this worker's server, for the environment it was started in
+_PRELOADED: dict[tuple, PreloadedPython] = {}  # this worker's servers by environment, the latest last
+KEEP_SERVERS = 2  # the session's environment and one test's own (~0.9 GB each)
+
+
+def run_preloaded(cmd: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`python script args` (cmd: the script's path, then its arguments) with `env`, in a new process forked from a
+    preloaded Python started with that environment (tests/preloaded_python.py says what it shares with a fresh
+    interpreter, which is only imports). PYTHONPATH in `env` picks the checkout whose modules it preloads."""
+    # pytest names the running test in the environment: kept out, or every test would start its own server
+    env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+    key = tuple(sorted(env.items()))
+    if key not in _PRELOADED:
+        while len(_PRELOADED) >= KEEP_SERVERS:
+            _PRELOADED.pop(next(iter(_PRELOADED))).close()
+        _PRELOADED[key] = PreloadedPython(env, cwd)
+    return _PRELOADED[key].run(cmd, cwd, timeout)
 
 
 def run_cli(script: str, *args, cwd: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run a top-level script of the patched checkout as a user would, in a new process (forked from a preloaded
-    Python: tests/preloaded_python.py says what it shares with a fresh interpreter, which is only imports)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if not _PRELOADED or _PRELOADED[0].env != env:
-        for server in _PRELOADED:
-            server.close()
-        _PRELOADED[:] = [PreloadedPython(env)]
-    return _PRELOADED[0].run([str(CHECKOUT / script), *map(str, args)], cwd or CHECKOUT, timeout)
+    """Run a top-level script of the patched checkout as a user would, in a new process (run_preloaded)."""
+    return run_preloaded([str(CHECKOUT / script), *map(str, args)], cwd or CHECKOUT,
+                         dict(os.environ, PYTHONUNBUFFERED="1"), timeout)
 
 
 def load_script(path: Path, name: str):

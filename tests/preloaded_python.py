@@ -56,8 +56,11 @@ def _child(request: dict) -> int:
             return e.code or 0
         print(e.code, file=sys.stderr)
         return 1
-    except BaseException:  # what the interpreter prints for an uncaught exception
-        traceback.print_exc()
+    except BaseException as e:  # what the interpreter prints for an uncaught exception: from the script's frames on
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != script:
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb)
         return 1
     return 0
 

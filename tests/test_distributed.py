@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import CHECKOUT, IMGSZ, call_cli
+from conftest import CHECKOUT, IMGSZ, call_cli, run_preloaded
 
 from models.calibrate import HistogramCollector
 from models.checkpoint import load_quantized_model
@@ -116,8 +116,9 @@ def _torchrun(*args, cwd=CHECKOUT, timeout=900):
 
 
 def _qat(*args):
-    return subprocess.run([sys.executable, str(CHECKOUT / "qat.py"), *map(str, args)], cwd=CHECKOUT, text=True,
-                          capture_output=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    """One process, with the thread count of each torchrun rank."""
+    return run_preloaded([str(CHECKOUT / "qat.py"), *map(str, args)], CHECKOUT,
+                         dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"), 900)
 
 
 def _amax(weights):

@@ -14,7 +14,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import CHECKOUT, REPO, SHARED
+from conftest import CHECKOUT, REPO, SHARED, run_preloaded
 
 GENUINE = (SHARED / "reference" / "yolov9-upstream-5b1ea9a.tar.gz") if SHARED else None
 IMG = 64
@@ -35,10 +35,16 @@ def genuine(tmp_path_factory) -> Path:
     return checkout
 
 
-def run(checkout: Path, *args, env=None, timeout=900):
+def run(checkout: Path, *args, env=None, timeout=900, fresh=False):
+    """`python args` in `checkout` with its own modules; a script (not -c or -m) in a process forked from a Python
+    that has imported them (conftest.run_preloaded) unless `fresh`: each workflow's first command and the shell
+    scripts start a Python from nothing, as the user's do."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     env["PYTHONPATH"] = str(checkout)  # this checkout's modules, not the session's
-    return subprocess.run([sys.executable, *map(str, args)], cwd=checkout, text=True, capture_output=True, env=env,
+    args = [str(a) for a in args]
+    if not fresh and not args[0].startswith("-"):
+        return run_preloaded([str(checkout / args[0]), *args[1:]], checkout, env, timeout)
+    return subprocess.run([sys.executable, *args], cwd=checkout, text=True, capture_output=True, env=env,
                           timeout=timeout)
 
 
@@ -78,7 +84,7 @@ def test_readme_workflow_offline(kind, request, demo_data, seg_data, tmp_path):
     # Plots (labels, curves: ~20 s a run) are drawn by the genuine checkout's first run, val and detect (detect and
     # val cover the offline font on both checkouts).
     ok(run(checkout, "train.py", *train, "--cfg", "models/detect/gelan-t.yaml", "--weights", "", "--name", "t0",
-           *(["--noplots"] if kind == "pypi" else []), env=offline))
+           *(["--noplots"] if kind == "pypi" else []), env=offline, fresh=True))
     best = tmp_path / "runs" / "t0" / "weights" / "best.pt"
     ok(run(checkout, "train.py", *train, "--cfg", "models/detect/gelan-t.yaml", "--weights", best, "--name", "t1",
            "--noplots", env=offline))
