@@ -1,20 +1,21 @@
 """A Python that has already imported torch and the checkout's libraries, and forks a fresh process per script run.
 
 Starting `python qat.py ...` on a 2-core CPU spends ~12 s importing (torch, torchvision and the torch._dynamo it
-pulls in, upstream's utils, ONNX Runtime) before the first line of work; the suite starts ~100 such runs. This
-server pays the imports once per test worker. Each request is a fork of it: a new process, with nothing run in it
-but those imports, in which the script runs as `__main__` with its own argv, working directory, stdin from
-/dev/null, stdout and stderr to files, and which exits as the interpreter exits after a script (atexit handlers,
-non-daemon threads joined, module teardown skipped). What it shares with its siblings is only the state an import leaves; the RNGs that
-import seeds from the OS are seeded again per fork, as a new interpreter would.
+pulls in, upstream's utils, ours) before the first line of work and ~3 s tearing the interpreter down at exit. This
+server pays the imports once per test worker and environment. Each request is a fork of it: a new process, with
+nothing run in it but those imports, in which the script runs as `__main__` with its own argv, working directory,
+sys.path[0], umask, stdin from /dev/null, stdout and stderr to files, and which exits as the interpreter exits after
+a script (non-daemon threads joined, atexit handlers run; module teardown skipped). What it shares with its siblings
+is only the state an import leaves; the RNGs that import seeds from the OS are seeded again per fork, as a new
+interpreter would. tests/test_harness.py compares it with a fresh interpreter.
 
 Protocol (one JSON line each way): the client writes {"script", "args", "cwd", "out", "err", "umask"}; the server
 answers {"pid"} once the child runs and {"returncode"} when it ends (negative: killed by that signal, as
 subprocess reports it). The environment is the server's own: the client starts one server per environment.
 
-Invalidation: a server serves one environment (its start environment) and the code of the modules it preloaded at
-its start; the client (conftest.run_cli) starts a new one when the environment differs and never outlives a test
-session, in which the checkout is not edited.
+Invalidation: a server serves one environment (its start environment, less PYTEST_CURRENT_TEST) and the code of the
+modules it preloaded at its start; the client (conftest.run_preloaded) starts a new one when the environment
+differs, and none outlives a test session, in which the checkout is not edited.
 """
 from __future__ import annotations
 
