@@ -20,11 +20,10 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from models.checkpoint import read_checkpoint  # noqa: E402
+from models.checkpoint import load_for_export, read_checkpoint  # noqa: E402
 from models.quantize import is_quantized  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import atomic_write, cli_main  # noqa: E402
-from models.checkpoint import load_for_export  # noqa: E402
 from models.export import (DTYPES, PREFIX, GraphSpec, artefact, class_names, count_qdq,  # noqa: E402
                            export_graph, recorded_settings, report_lint, save_onnx, stamp)
 
@@ -53,8 +52,9 @@ def run(**flags) -> dict:
     spec = GraphSpec(tuple((size * 2)[:2]), flags.pop("batch"), flags.pop("dynamic"), flags.pop("simplify_"),
                      flags.pop("opset"), flags.pop("dtype"), flags.pop("io_dtype"))
     device, exist_ok, trust = torch.device(flags.pop("device")), flags.pop("exist_ok"), flags.pop("trust_checkpoint")
-    quantized = is_quantized(read_checkpoint(weights, trust)["model"])
-    model = _load_any_head(weights, device, trust)
+    ckpt = read_checkpoint(weights, trust)
+    quantized = is_quantized(ckpt["model"])
+    model = _load_any_head(weights, ckpt, device)
     head = type(model.model[-1]).__name__
     proto = export_graph(model, spec, device, wrapper=DeepStreamHead(model).eval(), output_names=("output",))
     lint = report_lint(proto)
@@ -70,14 +70,13 @@ def run(**flags) -> dict:
             "dtype": spec.dtype, "io_dtype": spec.io_dtype, "lint": lint.to_dict()}
 
 
-def _load_any_head(weights: Path, device, trust: bool):
+def _load_any_head(weights: Path, ckpt: dict, device):
     """Dual-head (training) checkpoints are exported as they are; DeepStream reads the main branch."""
     try:
-        return load_for_export(weights, device, trust=trust)
+        return load_for_export(weights, device, ckpt=ckpt)
     except ValueError as e:
         if "reparameterization.py" not in str(e):
             raise
-        ckpt = read_checkpoint(weights, trust)
         return (ckpt.get("ema") or ckpt["model"]).float().fuse().to(device).eval()
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import importlib
 import pickle
+import shutil
 from functools import lru_cache
 from pathlib import Path
 
@@ -64,13 +65,25 @@ def _forward_getattr(obj, name: str):
     return getattr(obj, name)
 
 
+def _allowed_globals_in(path: Path) -> list:
+    """The allow-list narrowed to the names the file's pickle refers to (read without unpickling): torch's
+    restricted unpickler looks each reference up in the whole list, ~1 s a load with all of it. A file it cannot
+    scan gets the whole list, and torch.load then says what is wrong with it."""
+    every = [*allowed_classes(), (_forward_getattr, "builtins.getattr")]
+    try:
+        referenced = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:
+        return every
+    return [g for g in every if (g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}") in referenced]
+
+
 def read_checkpoint(weights: str | Path, trust: bool = False, flag: str = "--weights") -> dict:
     """The checkpoint dict of a YOLO .pt file, loaded with the allow-list (or fully with `trust`)."""
     path = Path(weights)
     if not path.is_file():
         raise FileNotFoundError(f"{flag} {weights}: file not found")
     try:
-        with torch.serialization.safe_globals([*allowed_classes(), (_forward_getattr, "builtins.getattr")]):
+        with torch.serialization.safe_globals(_allowed_globals_in(path)):
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if not trust:
@@ -120,12 +133,25 @@ def save_checkpoint(model: nn.Module, path: str | Path, **extra) -> Path:
     return atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
 
 
+def copy_checkpoint(saved: str | Path, path: str | Path) -> Path:
+    """Another name for a checkpoint already saved (the delivered model, the best epoch), copied atomically: the
+    same bytes, without copying and pickling the model again."""
+    return atomic_write(path, lambda tmp: shutil.copyfile(saved, tmp))
+
+
 def load_float_model(weights: str | Path, device: torch.device | str = "cpu", trust: bool = False) -> nn.Module:
     """A reparameterized (converted) float YOLO checkpoint, fused (Conv+BN, RepConvN) and in eval mode.
 
     Training checkpoints with the auxiliary PGI branch are refused: run reparameterization.py first.
     """
-    ckpt = read_checkpoint(weights, trust)
+    return _float_model(read_checkpoint(weights, trust), weights).to(device).eval()
+
+
+def load_quantized_model(weights: str | Path, device: torch.device | str = "cpu", trust: bool = False) -> nn.Module:
+    return _quantized_model(read_checkpoint(weights, trust), weights).to(device).eval()
+
+
+def _float_model(ckpt: dict, weights: str | Path) -> nn.Module:
     model = (ckpt.get("ema") or ckpt["model"]).float()
     if is_quantized(model):
         raise ValueError(f"--weights {weights}: already quantized; pass the float (converted) weights")
@@ -136,24 +162,21 @@ def load_float_model(weights: str | Path, device: torch.device | str = "cpu", tr
     if "Panoptic" in head:
         raise ValueError(f"--weights {weights}: {head} head: panoptic models are not supported (detection and "
                          "instance segmentation are)")
-    model.fuse()
-    return model.to(device).eval()
+    return model.fuse()
 
 
-def load_quantized_model(weights: str | Path, device: torch.device | str = "cpu", trust: bool = False) -> nn.Module:
-    ckpt = read_checkpoint(weights, trust)
-    model = ckpt["model"]
-    if not is_quantized(model):
+def _quantized_model(ckpt: dict, weights: str | Path) -> nn.Module:
+    if not is_quantized(ckpt["model"]):
         raise ValueError(f"--weights {weights}: not a quantized model; quantize it first with `qat.py quantize`")
-    return model.float().to(device).eval()
+    return ckpt["model"].float()
 
 
 def load_for_export(weights: str | Path, device: str | torch.device = "cpu", inplace: bool = False,
-                    trust: bool = False) -> nn.Module:
-    """Quantized checkpoints as they are; float ones fused. Heads set to (not) modify tensors in place."""
-    ckpt = read_checkpoint(weights, trust)
-    load = load_quantized_model if is_quantized(ckpt["model"]) else load_float_model
-    model = load(weights, device, trust)
+                    trust: bool = False, ckpt: dict | None = None) -> nn.Module:
+    """Quantized checkpoints as they are; float ones fused. Heads set to (not) modify tensors in place. `ckpt`: the
+    file's checkpoint dict where the caller has read it already."""
+    ckpt = ckpt or read_checkpoint(weights, trust)
+    model = (_quantized_model if is_quantized(ckpt["model"]) else _float_model)(ckpt, weights).to(device).eval()
     for m in model.modules():
         if hasattr(m, "inplace"):
             m.inplace = inplace

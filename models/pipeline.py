@@ -35,7 +35,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from models.distributed import World, data_parallel, init, shutdown_after, world_from_env
-from models.checkpoint import load_float_model, load_quantized_model, read_checkpoint, save_checkpoint
+from models.checkpoint import copy_checkpoint, load_float_model, load_quantized_model, read_checkpoint, save_checkpoint
 from models.evaluate import NMSConfig, evaluate, metrics_table, val_loader
 from models.fast_step import STEP_MODES, compiled, plan_step, to_layout
 from models.finetune import FineTuner, QATObjective, QATRecipe, learnable_amax_parameters
@@ -319,10 +319,10 @@ class QuantizeRun:
         if cfg.max_loss is not None:
             report["ptq"] = self.mix(model, report["origin"], report["ptq"])
         ptq_file = self.weights_dir / f"ptq_ap_{_ap_tag(report['ptq'])}_{self.stem}.pt"
-        report["ptq_file"] = str(self.save(model, ptq_file, stage="ptq", metrics=report["ptq"]))
+        report["ptq_file"] = str(self.save(model, ptq_file, stage="ptq", epoch=0, metrics=report["ptq"]))
         report["qat"] = []
         if not cfg.control and report["ptq"] is not None:
-            self.offer("ptq", 0, model, report["ptq"])
+            self.offer("ptq", 0, ptq_file, report["ptq"])
         self.save_report()
         inputs.world.barrier()
         return model
@@ -399,16 +399,17 @@ class QuantizeRun:
                                                          "the best one found is kept"))
         return ptq
 
-    def offer(self, stage: str, epoch: int, model: nn.Module, metrics: dict) -> None:
-        """`model` becomes the delivered one (weights/best_{stem}.pt) where it beats the current one on select; the
-        PTQ model is offered first, so a tie keeps it."""
+    def offer(self, stage: str, epoch: int, saved: Path, metrics: dict) -> None:
+        """The model saved in `saved` (with this stage, epoch and metrics) becomes the delivered one
+        (weights/best_{stem}.pt, a copy) where it beats the current one on select; the PTQ model is offered first, so
+        a tie keeps it."""
         if not self.inputs.world.main:
             return
         final = self.report.get("final")
         score = self.inputs.task.score(metrics)
         if final is not None and choose({"current": final["score"], "new": score}) == "current":
             return
-        f = save_checkpoint(model, self.weights_dir / f"best_{self.stem}.pt", stage=stage, epoch=epoch, metrics=metrics)
+        f = copy_checkpoint(saved, self.weights_dir / f"best_{self.stem}.pt")
         self.report["final"] = {"stage": stage, "epoch": epoch, "score": round(score, 6), **metrics, "file": str(f)}
 
     def finetune(self, model: nn.Module, teacher: nn.Module) -> None:
@@ -484,7 +485,7 @@ class QuantizeRun:
                       stage="ptq", epoch=epoch, metrics=metrics)
         self.report["recalibrated"] = {"epoch": epoch, **record, "metrics": metrics, "file": str(f)}
         if metrics is not None:
-            self.offer("ptq", epoch, model, metrics)
+            self.offer("ptq", epoch, f, metrics)
         self.save_report()
 
     def rewind_final(self, start: int) -> None:
@@ -501,7 +502,7 @@ class QuantizeRun:
                    for e in self.report["qat"] if e.get("stage") != "float"]
         for stage, epoch, metrics, file in stages:
             if metrics is not None:
-                self.offer(stage, epoch, load_quantized_model(file, self.inputs.device), metrics)
+                self.offer(stage, epoch, Path(file), metrics)
 
     def end_epoch(self, epoch: int, tuner: FineTuner, losses: dict, train_s: float) -> None:
         report, trained, stage = self.report, tuner.trained, self.stage_of(epoch)
@@ -519,9 +520,8 @@ class QuantizeRun:
         best = report.get("qat_best")
         if best is None or self.inputs.task.score(metrics) > self.inputs.task.score(best):
             report["qat_best"] = entry
-            report["qat_best_file"] = str(save_checkpoint(trained, self.weights_dir / f"qat_best_{self.stem}.pt",
-                                                          stage="qat", epoch=epoch, metrics=metrics))
-        self.offer(stage, epoch, trained, metrics)
+            report["qat_best_file"] = str(copy_checkpoint(f, self.weights_dir / f"qat_best_{self.stem}.pt"))
+        self.offer(stage, epoch, f, metrics)
         # report first: a kill between the two repeats this epoch (the same, it is seeded) rather than lose it
         self.save_report()
 

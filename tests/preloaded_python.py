@@ -4,14 +4,21 @@ Starting `python qat.py ...` on a 2-core CPU spends ~12 s importing (torch, torc
 pulls in, upstream's utils, ours) before the first line of work and ~3 s tearing the interpreter down at exit. This
 server pays the imports once per test worker and environment. Each request is a fork of it: a new process, with
 nothing run in it but those imports, in which the script runs as `__main__` with its own argv, working directory,
-sys.path[0], umask, stdin from /dev/null, stdout and stderr to files, and which exits as the interpreter exits after
-a script (non-daemon threads joined, atexit handlers run; module teardown skipped). What it shares with its siblings
-is only the state an import leaves; the RNGs that import seeds from the OS are seeded again per fork, as a new
-interpreter would. tests/test_harness.py compares it with a fresh interpreter.
+sys.path[0], umask and standard streams, and which exits as the interpreter exits after a script (non-daemon threads
+joined, atexit handlers run; module teardown skipped). What it shares with its siblings is only the state an import
+leaves; the RNGs that import seeds from the OS are seeded again per fork, as a new interpreter would.
+tests/test_harness.py compares it with a fresh interpreter.
 
-Protocol (one JSON line each way): the client writes {"script", "args", "cwd", "out", "err", "umask"}; the server
-answers {"pid"} once the child runs and {"returncode"} when it ends (negative: killed by that signal, as
-subprocess reports it). The environment is the server's own: the client starts one server per environment.
+Two ways in:
+- the test process (conftest.run_preloaded), one JSON line each way on the server's stdin and stdout: it writes
+  {"script", "args", "cwd", "out", "err", "umask"} (stdin from /dev/null, stdout and stderr to those files); the
+  server answers {"pid"} once the child runs and {"returncode"} when it ends (negative: killed by that signal, as
+  subprocess reports it).
+- the scripts' own child processes: in a child, `sys.executable` is a launcher (tests/python_launcher.py) under
+  the real interpreter's name, so what a script starts with sys.executable (the benchmark's steps) is forked here
+  too. The launcher hands over its argv, working directory, umask, environment, SIGINT disposition and standard
+  streams on a Unix socket, forwards signals and exits with the child's status. What a fork cannot be (options
+  before the script such as -c or -m, another environment) it runs with the real interpreter instead.
 
 Invalidation: a server serves one environment (its start environment, less PYTEST_CURRENT_TEST) and the code of the
 modules it preloaded at its start; the client (conftest.run_preloaded) starts a new one when the environment
@@ -19,37 +26,39 @@ differs, and none outlives a test session, in which the checkout is not edited.
 """
 from __future__ import annotations
 
+import array
 import importlib
 import json
 import os
 import runpy
+import select
+import signal
+import socket
 import sys
+import tempfile
 import threading
 import traceback
+from pathlib import Path
 
 # What every CLI of the overlay imports first (the script's own imports then find them loaded).
 PRELOAD = ("torch", "torchvision", "onnx", "utils.general", "models.yolo", "models.evaluate",
            "models.finetune", "models.quantize")
+SOCKET_VAR = "PRELOADED_PYTHON_SOCKET"  # where a child's launcher finds this server
+REAL_PYTHON = sys.executable
 
 
 def _child(request: dict) -> int:
-    """Runs one script as `python script args` would, in this freshly forked process; its exit code."""
+    """Runs one script as `python script args` would, in this freshly forked process (its standard streams already
+    in place); its exit code."""
     import random
     import numpy as np
-    for fd, path in ((1, request["out"]), (2, request["err"])):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(target, fd)
-        os.close(target)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
     os.umask(request["umask"])
     os.chdir(request["cwd"])
     random.seed()
     np.random.seed()
-    script = request["script"]
-    sys.argv = [script, *request["args"]]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as the interpreter puts a script's folder first
+    sys.argv = [request["script"], *request["args"]]
+    script = os.path.abspath(request["script"])  # the interpreter's __main__.__file__, absolute since Python 3.9
+    sys.path[0] = os.path.dirname(script)  # as the interpreter puts a script's folder first
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
@@ -62,7 +71,7 @@ def _child(request: dict) -> int:
         while tb is not None and tb.tb_frame.f_code.co_filename != script:
             tb = tb.tb_next
         traceback.print_exception(type(e), e, tb)
-        return 1
+        return -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1  # the interpreter ends by the signal
     return 0
 
 
@@ -77,7 +86,72 @@ def _exit(code: int) -> None:
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
     os._exit(code)
+
+
+def _streams(fds: list[int]) -> None:
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _start(request: dict, fds: list[int], sigint) -> int:
+    """Fork the child that runs `request` on standard streams `fds` (stdin, stdout, stderr); its pid."""
+    pid = os.fork()
+    if pid == 0:
+        _streams(fds)
+        signal.signal(signal.SIGINT, sigint)
+        _exit(_child(request))
+    for fd in fds:
+        os.close(fd)
+    return pid
+
+
+def _from_file(request: dict) -> int:
+    null = os.open(os.devnull, os.O_RDONLY)
+    outs = [os.open(request[k], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for k in ("out", "err")]
+    return _start(request, [null, *outs], signal.getsignal(signal.SIGINT))
+
+
+def _supervise(conn: socket.socket, served_env: dict) -> None:
+    """In a fork of the server: one launcher's request. The script's child is forked from here; its status goes
+    back on `conn`. A launcher that goes away (killed) takes the child with it, as a process's death takes itself."""
+    msg, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_LEN(3 * array.array("i").itemsize))
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    while not msg.endswith(b"\n"):  # one JSON line, perhaps in several reads
+        chunk = conn.recv(1 << 20)
+        if not chunk:  # the launcher went away before it asked
+            os._exit(0)
+        msg += chunk
+    request = json.loads(msg)
+    if request["env"] != served_env or len(fds) != 3:
+        conn.sendall(b'{"fallback": true}\n')
+        os._exit(0)
+    sigint = signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler
+    pid = _start(request, list(fds), sigint)
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            os._exit(0)
+        if select.select([conn], [], [], 0.05)[0] and not conn.recv(1):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _launcher(folder: Path) -> Path:
+    """An executable under the real interpreter's name that runs tests/python_launcher.py."""
+    path = folder / Path(REAL_PYTHON).name
+    path.write_text(f"#!{REAL_PYTHON} -S\nimport sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                    f"import python_launcher\npython_launcher.main({REAL_PYTHON!r})\n")
+    path.chmod(0o755)
+    return path
 
 
 def serve() -> None:
@@ -87,15 +161,44 @@ def serve() -> None:
     # child. (`import torch` leaves one idle native thread, as in every process that forks DataLoader workers.)
     if threading.active_count() != 1:
         raise SystemExit(f"preloaded_python: {threading.active_count()} Python threads after the imports")
+    folder = Path(tempfile.mkdtemp(prefix="preloaded-"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(folder / "socket"))
+    listener.listen()
+    os.environ[SOCKET_VAR] = str(folder / "socket")
+    served_env = dict(os.environ)
+    sys.executable = str(_launcher(folder))  # what the children start their own children with
     print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _exit(_child(request))
-        print(json.dumps({"pid": pid}), flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+    waiting, supervisors = set(), set()  # the test process's children (answered when they end); launchers'
+    try:
+        while True:
+            for pid in list(waiting):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    waiting.remove(pid)
+                    print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+            supervisors -= {pid for pid in supervisors if os.waitpid(pid, os.WNOHANG)[0]}
+            ready = select.select([sys.stdin, listener], [], [], 0.05)[0]
+            if sys.stdin in ready:
+                line = sys.stdin.readline()
+                if not line:
+                    return
+                pid = _from_file(json.loads(line))
+                waiting.add(pid)
+                print(json.dumps({"pid": pid}), flush=True)
+            if listener in ready:
+                conn, _ = listener.accept()
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    _supervise(conn, served_env)
+                supervisors.add(pid)
+                conn.close()
+    finally:
+        listener.close()
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
 
 
 if __name__ == "__main__":

@@ -241,7 +241,8 @@ def test_per_quantizer_ranges_are_searched_once_and_held_by_every_rank(tmp_path)
     assert all(torch.equal(a, runs[1]["amax"][n]) for n, a in runs[0]["amax"].items())
 
 
-def test_two_process_qat_writes_one_report_and_resume_checks_the_world(gelan_t_weights, demo_data, tmp_path):
+def test_two_process_qat_writes_one_report_and_resume_checks_the_world(gelan_t_weights, demo_data, tmp_path,
+                                                                       monkeypatch):
     """With a mixed-precision budget too: rank 0 chooses the tensor classes kept in float on select, every rank
     applies the choice it broadcasts (a rank without it fails the job), and the delivered model holds it."""
     from conftest import TRAINED_T
@@ -264,7 +265,9 @@ def test_two_process_qat_writes_one_report_and_resume_checks_the_world(gelan_t_w
     (tmp_path / "run" / "report.json").write_text(json.dumps(report))
     r = call_cli("qat.py", "quantize", "--resume", tmp_path / "run", "--device", "cpu")
     assert r.returncode == 2 and "started on 2 process(es)" in r.stderr and "--nproc_per_node 2" in r.stderr
-    r = _torchrun("eval", "--weights", report["qat_best_file"], "--data", demo_data, *COMMON)
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):  # what torchrun gives each rank
+        monkeypatch.setenv(name, value)
+    r = call_cli("qat.py", "eval", "--weights", report["qat_best_file"], "--data", demo_data, *COMMON)
     assert r.returncode != 0 and "runs in one process" in r.stderr
 
 

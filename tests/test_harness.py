@@ -9,8 +9,14 @@ import sys
 import pytest
 from conftest import CHECKOUT, run_preloaded
 
+INNER = r'''
+import os, sys
+open("made-inner.txt", "w").close()
+print("inner argv", sys.argv[1:], "cwd", os.getcwd(), "umask", oct(os.stat("made-inner.txt").st_mode & 0o777))
+sys.exit(5)
+'''
 # Each case: what the script does, observed through its output files, its exit code and what it printed.
-SCRIPT = r'''
+SCRIPT = f"INNER = {INNER!r}\n" + r'''
 import atexit, os, sys, threading, time
 case = sys.argv[1]
 print("argv", sys.argv[1:], "cwd", os.getcwd(), "path0", sys.path[0], "main", __name__, "file", __file__)
@@ -29,12 +35,30 @@ if case == "thread":  # a non-daemon thread outlives the main one: the process w
 if case == "umask":
     open("made.txt", "w").close()
     print(oct(os.stat("made.txt").st_mode & 0o777))
+if case in ("child", "child -c"):  # a process of its own, started as the benchmark starts its steps
+    import subprocess
+    open("inner.py", "w").write(INNER)
+    cmd = [sys.executable, "inner.py", "x"] if case == "child" else [sys.executable, "-c", INNER, "x"]
+    with open("inner.txt", "w") as out:
+        r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+    print("inner exit", r.returncode, os.path.basename(sys.executable))
+if case == "child interrupted":  # Ctrl-C reaches it through the process that started it
+    import signal, subprocess
+    open("inner.py", "w").write("import time\nopen('ready', 'w').close()\ntime.sleep(60)\n")
+    with open("inner.txt", "w") as out:
+        p = subprocess.Popen([sys.executable, "inner.py"], stdout=out, stderr=subprocess.STDOUT,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        while not os.path.exists("ready"):
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        print("inner exit", p.wait())
 '''
-CASES = ("exit", "message", "raise", "atexit", "thread", "umask", "plain")
+CASES = ("exit", "message", "raise", "atexit", "thread", "umask", "plain", "child", "child -c",
+         "child interrupted")
 
 
 def _observed(r: subprocess.CompletedProcess, cwd) -> tuple:
-    files = sorted((p.name, p.read_text()) for p in cwd.iterdir() if p.suffix == ".txt")
+    files = sorted((p.name, p.read_text().replace(str(cwd), "CWD")) for p in cwd.iterdir() if p.suffix == ".txt")
     return r.returncode, r.stdout.replace(str(cwd), "CWD"), r.stderr, files
 
 
@@ -73,3 +97,30 @@ def test_a_script_that_runs_past_its_timeout_is_killed(tmp_path):
     quick.write_text("print('next')\n")
     r = run_preloaded([str(quick)], CHECKOUT, dict(os.environ, PYTHONUNBUFFERED="1"), 60)  # the server goes on
     assert (r.returncode, r.stdout) == (0, "next\n")
+
+
+def test_a_scripts_own_python_is_forked_from_the_server_and_dies_with_its_launcher(tmp_path):
+    """What a forked script starts with sys.executable runs in a fork of the preloaded server (torch already
+    imported: the time saved), and a SIGKILL of the process the script started (the launcher) ends that fork too."""
+    script = tmp_path / "outer.py"
+    script.write_text(r'''
+import os, signal, subprocess, sys, time
+open("inner.py", "w").write("import os, sys, time\nprint('torch' in sys.modules, flush=True)\n"
+                            "open('pid', 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
+p = subprocess.Popen([sys.executable, "inner.py"], stdout=subprocess.PIPE, text=True)
+print("preloaded", p.stdout.readline().strip())
+while not os.path.exists("pid") or not open("pid").read():
+    time.sleep(0.05)
+p.kill()
+p.wait()
+inner = int(open("pid").read())
+for _ in range(100):
+    try:
+        os.kill(inner, 0)
+    except ProcessLookupError:
+        print("gone")
+        break
+    time.sleep(0.05)
+''')
+    r = run_preloaded([str(script)], tmp_path, dict(os.environ, PYTHONUNBUFFERED="1"), 60)
+    assert (r.returncode, r.stdout) == (0, "preloaded True\ngone\n"), r.stderr

@@ -314,15 +314,15 @@ def test_meaningless_inputs_are_refused_before_a_run_folder_exists(case, gelan_t
 def test_outputs_respect_the_umask_and_eval_leaves_no_empty_folders(quantize_run, demo_data, tmp_path):
     import os
     import stat
-    import subprocess
-    import sys
-    from conftest import CHECKOUT
     best = quantize_run[0] / "weights" / "qat_best_gelan-t-demo.pt"
-    cmd = (f"umask 027 && {sys.executable} {CHECKOUT / 'export_qat.py'} --weights {best} --imgsz {IMGSZ} "
-           f"--exist-ok && {sys.executable} {CHECKOUT / 'qat.py'} eval --weights {best} --data {demo_data} "
-           f"--imgsz {IMGSZ} --device cpu --workers 0 --project {tmp_path} --name ev")
-    r = subprocess.run(["bash", "-c", cmd], cwd=CHECKOUT, capture_output=True, text=True, env=os.environ)
-    assert r.returncode == 0, r.stderr[-2000:]
+    old = os.umask(0o027)  # the user's (run_cli's processes take their caller's, as a shell's take the shell's)
+    try:
+        for r in (run_cli("export_qat.py", "--weights", best, "--imgsz", IMGSZ, "--exist-ok"),
+                  run_cli("qat.py", "eval", "--weights", best, "--data", demo_data, "--imgsz", IMGSZ, "--device",
+                          "cpu", "--workers", 0, "--project", tmp_path, "--name", "ev")):
+            assert r.returncode == 0, r.stderr[-2000:]
+    finally:
+        os.umask(old)
     for f in (best.with_suffix(".onnx"), tmp_path / "ev" / "eval.json"):
         assert stat.S_IMODE(f.stat().st_mode) == 0o640, f
     assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == ["eval.json"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SHARED, call_cli, end2end_vs_plain, run_cli, save_float_checkpoint
+from conftest import REPO, SHARED, call_cli, end2end_vs_plain, one_box, run_cli, save_float_checkpoint
 
 TRAINED_SEG = REPO / "assets" / "gelan-t-seg-demo.pt"
 SIZE = 320  # the size it was trained at
@@ -20,12 +20,12 @@ COMMON = ["--imgsz", SIZE, "--batch-size", 4, "--device", "cpu", "--workers", 0]
 
 @pytest.fixture(scope="module")
 def select_data(seg_data, tmp_path_factory) -> Path:
-    """The first 40 val images as a yaml of their own: what the run chooses on (each candidate, stage and epoch is
-    evaluated there: 100 images each would be most of this module's time)."""
+    """The first 20 val images as a yaml of their own: what the run chooses on (each candidate, stage and epoch is
+    evaluated there)."""
     import yaml
     folder = tmp_path_factory.mktemp("select")
     data = yaml.safe_load(seg_data.read_text())
-    images = sorted((seg_data.parent / "images" / "val").glob("*.png"))[:40]
+    images = sorted((seg_data.parent / "images" / "val").glob("*.png"))[:20]
     (folder / "select.txt").write_text("".join(f"{f}\n" for f in images))
     data.update(path=str(seg_data.parent), val=str(folder / "select.txt"))
     (folder / "select.yaml").write_text(yaml.safe_dump(data))
@@ -130,7 +130,8 @@ def test_fp16_export_for_strongly_typed_engines(seg_run, tmp_path):
 def test_onnxruntime_box_and_mask_map_equal_pytorch(seg_onnx, seg_data):
     """The same loop (square letterbox, NMS, upstream's mask assembly and matching) over the PyTorch model and over
     ONNX Runtime running its export. As for detection (test_val_trt.py), only the summation order inside the
-    convolutions differs, which flips a few INT8 roundings: mAP over 100 images moves by well under 0.005."""
+    convolutions differs, which flips a few INT8 roundings and moves a few boxes (and their masks) by a step: box
+    and mask mAP within three boxes of the rarest class (conftest.one_box)."""
     from models.evaluate import evaluate, val_loader
     from models.runners import OnnxRuntimeRunner, open_runner
     from models.task import SEGMENT
@@ -141,9 +142,9 @@ def test_onnxruntime_box_and_mask_map_equal_pytorch(seg_onnx, seg_data):
                for runner in (OnnxRuntimeRunner(onnx_path), open_runner(weights, "cpu"))]
     print("ORT", results[0], "PyTorch", results[1])
     ours, ref = results
-    assert ours["images"] == ref["images"] == 100 and ref["mask_ap50"] > 0.1
+    assert ours["images"] == ref["images"] == 40 and ref["mask_ap50"] > 0.1
     for k in ("ap", "ap50", "mask_ap", "mask_ap50"):
-        assert ours[k] == pytest.approx(ref[k], abs=0.005), k
+        assert ours[k] == pytest.approx(ref[k], abs=3 * one_box(data)), (k, one_box(data))
 
 
 def test_val_trt_detects_segmentation_and_refuses_what_it_cannot_do(seg_onnx, seg_data, checkout, tmp_path):
@@ -172,13 +173,17 @@ def test_end_to_end_graph_gathers_the_kept_masks(seg_onnx, seg_data, tmp_path):
     coefficients, the graph assembles the masks (coefficients x prototypes, cropped to the box, > 0.5), and its box
     and mask mAP in ONNX Runtime equal the plain graph's (exported at the evaluation's thresholds)."""
     weights, plain, _ = seg_onnx
+    from utils.batches import load_data
     out = end2end_vs_plain(weights, plain, seg_data, SIZE, tmp_path, "--dtype", "fp32")
     assert out["e2e"]["task"] == "segment" and out["plain"]["mask_ap50"] > 0.1
-    # boxes: the same NMS thresholds; masks: the graph thresholds each mask at the prototypes' resolution (a quarter
-    # of the image's), the loop after upsampling to the image, so boundary pixels differ and a few mask IoUs near a
-    # threshold cross it (seen: 0.0059 in mask mAP50, where the plain graph scored 0.1877)
-    for k, tolerance in (("ap", 0.005), ("ap50", 0.005), ("mask_ap", 0.01), ("mask_ap50", 0.01)):
-        assert out["e2e"][k] == pytest.approx(out["plain"][k], abs=tolerance), k
+    # boxes: the same thresholds, but ONNX's NonMaxSuppression and upstream's loop break ties and round IoUs near the
+    # threshold each their own way (seen over 40 images: 0.0066 in box mAP, 0.63 of a box); masks: the graph
+    # thresholds each mask at the prototypes' resolution (a quarter of the image's), the loop after upsampling to
+    # the image, so boundary pixels differ and a few mask IoUs near a threshold cross it (seen over 100 images:
+    # 0.0059 in mask mAP50, 1.4 boxes' worth)
+    box = one_box(load_data(seg_data))
+    for k, tolerance in (("ap", 2 * box), ("ap50", 2 * box), ("mask_ap", 3 * box), ("mask_ap50", 3 * box)):
+        assert out["e2e"][k] == pytest.approx(out["plain"][k], abs=tolerance), (k, box)
 
 
 @pytest.mark.skipif(SHARED is None or not (SHARED / "datasets" / "coco128-seg-416").is_dir(),
