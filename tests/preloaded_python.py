@@ -27,6 +27,7 @@ differs, and none outlives a test session, in which the checkout is not edited.
 from __future__ import annotations
 
 import array
+import contextlib
 import importlib
 import json
 import os
@@ -101,10 +102,15 @@ def _streams(fds: list[int]) -> None:
 def _start(request: dict, fds: list[int], sigint) -> int:
     """Fork the child that runs `request` on standard streams `fds` (stdin, stdout, stderr); its pid."""
     pid = os.fork()
-    if pid == 0:
-        _streams(fds)
-        signal.signal(signal.SIGINT, sigint)
-        _exit(_child(request))
+    if pid == 0:  # never returns: an exception here must not unwind into the server's loop in this copy of it
+        try:
+            _streams(fds)
+            signal.signal(signal.SIGINT, sigint)
+            code = _child(request)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        _exit(code)
     for fd in fds:
         os.close(fd)
     return pid
@@ -139,7 +145,8 @@ def _supervise(conn: socket.socket, served_env: dict) -> None:
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            with contextlib.suppress(OSError):  # a launcher killed meanwhile hears nothing
+                conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
             os._exit(0)
         if select.select([conn], [], [], 0.05)[0] and not conn.recv(1):
             os.kill(pid, signal.SIGKILL)
@@ -189,9 +196,12 @@ def serve() -> None:
             if listener in ready:
                 conn, _ = listener.accept()
                 pid = os.fork()
-                if pid == 0:
-                    listener.close()
-                    _supervise(conn, served_env)
+                if pid == 0:  # never returns (as above)
+                    try:
+                        listener.close()
+                        _supervise(conn, served_env)
+                    finally:
+                        os._exit(0)
                 supervisors.add(pid)
                 conn.close()
     finally:
