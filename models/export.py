@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from models.checkpoint import load_for_export
+from models.held_state import held
 from models.mixed_precision import float_conv_nodes, float_convs
 from models.task import task_of
 from utils.general import LOGGER, colorstr
@@ -95,8 +96,9 @@ def export_graph(model: nn.Module, spec: GraphSpec, device: torch.device, wrappe
     im = torch.zeros(spec.batch_size, 3, *spec.imgsz, device=device)
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "model.onnx"
-        export_onnx(model if wrapper is None else wrapper, im, f, opset=opset, dynamic=spec.dynamic,
-                    output_names=output_names)
+        with held(model):  # the scales traced as constants, not their computation at every call (models/held_state.py)
+            export_onnx(model if wrapper is None else wrapper, im, f, opset=opset, dynamic=spec.dynamic,
+                        output_names=output_names)
         proto = onnx.load(str(f))
     onnx.checker.check_model(proto)
     if spec.simplify:

@@ -9,8 +9,10 @@ did: every QAT epoch was judged on the weights of the first evaluation).
 - `held(*models)`: each calibrated quantizer's fake-quantization parameters (a host float per tensor, or
   per-channel tensors) computed from its amax at entry. A training step reads them instead of reading amax back to
   the host (a GPU sync per quantizer and step), and a compiled forward reads them as constants: it traces again when
-  a later block holds other values (its guards compare them). Opened by each fine-tuning epoch (models/finetune.py)
-  and each evaluation. A learned amax (a trained parameter) is not held: its grad-enabled forward computes its own
+  a later block holds other values (its guards compare them). Opened by each fine-tuning epoch (models/finetune.py),
+  each evaluation and each ONNX export of a quantized model (models/export.py, the scale-sharing rules' and mixed
+  precision's in-memory traces): the trace then records each scale as a constant instead of the ops that compute
+  it from amax at every call, which took half of a gelan-t trace's time (the same graph). A learned amax (a trained parameter) is not held: its grad-enabled forward computes its own
   scale, and no-grad calls outside a block compute it from the current value. Changing a held range inside the
   block (`set_amax`, loading a state dict, calibrating) raises instead of going unseen.
 - `held(..., weights=True)`: in addition each weight's fake-quantized value, computed at its first use in the block

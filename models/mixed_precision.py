@@ -7,7 +7,8 @@ consistent Q/DQ graph whose float convs TensorRT runs in FP16.
 
 `qat.py quantize --max-loss X` chooses on the select split, after PTQ calibration (models/pipeline.py):
 1. rank every candidate by how much of the PTQ model's output error (against the float model, on one batch of
-   select images) goes away with that candidate alone in float: one forward pass each, no evaluation;
+   select images) goes away with that candidate alone in float: one forward pass each (from the first layer the
+   candidate is used in, models/layer_outputs.py), no evaluation;
 2. measure `measured` of them on select, each alone in float (its cost: select mAP gained): half the ones that
    remove the most error per MAC (the cheap wins), half the ones that remove the most error at all (what a budget
    out of the cheap ones' reach needs);
@@ -29,7 +30,10 @@ import torch.nn as nn
 from pytorch_quantization import nn as quant_nn
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 
+from models.held_state import held
+from models.layer_outputs import LayerOutputs
 from models.quantize import QuantRecipe, quantization_disabled, is_quantized, named_quantizers
+from models.runners import TorchRunner
 from utils.onnx_utils import model_to_onnx
 from utils.qdq_lint import lint, module_of
 
@@ -138,16 +142,23 @@ def output_error(outputs: dict[str, torch.Tensor], reference: dict[str, torch.Te
     return total
 
 
-def rank_by_output_error(run: Callable[[], dict[str, torch.Tensor]], model: nn.Module,
-                         candidates: list[Candidate]) -> tuple[float, dict[str, float]]:
+def rank_by_output_error(passes: LayerOutputs, model: nn.Module, candidates: list[Candidate]
+                         ) -> tuple[float, dict[str, float]]:
     """The all-INT8 model's output error, and each candidate's with it alone in float (lower: it caused more of
-    the PTQ error)."""
-    with quantization_disabled(q for _, q in named_quantizers(model)):
-        reference = run()
-    errors = {"all INT8": output_error(run(), reference)}
-    for c in candidates:
-        with kept_float(model, [c]):
-            errors[c.name] = output_error(run(), reference)
+    the PTQ error), on the images of `passes`. A candidate's pass starts at the first layer that uses it, on the
+    all-INT8 pass's outputs of the layers before; the weights are quantized once for all passes (none changes)."""
+    runner = TorchRunner(model)
+
+    def outputs(start: int, keep: bool = False) -> dict[str, torch.Tensor]:
+        return runner.run(lambda: passes.run(start, keep=keep))
+    with held(model, weights=True):
+        with quantization_disabled(q for _, q in named_quantizers(model)):
+            reference = outputs(0)
+        errors = {"all INT8": output_error(outputs(0, keep=True), reference)}
+        for c in candidates:
+            with kept_float(model, [c]):
+                errors[c.name] = output_error(outputs(passes.first_layer(candidate_quantizers(model, [c]))),
+                                              reference)
     return errors.pop("all INT8"), errors
 
 
@@ -184,7 +195,7 @@ def shortlist(candidates: list[Candidate], reduction: dict[str, float], n: int) 
 
 def choose_float_set(model: nn.Module, candidates: list[Candidate], plan: MixedPrecision, origin: float, ptq: float,
                      measure: Callable[[str], dict], score: Callable[[dict], float],
-                     run: Callable[[], dict[str, torch.Tensor]]) -> tuple[dict, dict | None]:
+                     passes: LayerOutputs) -> tuple[dict, dict | None]:
     """The candidates to keep in float (see the module's docstring) and the record of the choice: the budget, the
     candidates measured and their costs, the sets tried, and whether the budget was reached; with the select
     metrics of the set kept (`measure`'s, already taken: None where nothing is kept)."""
@@ -194,7 +205,7 @@ def choose_float_set(model: nn.Module, candidates: list[Candidate], plan: MixedP
     if ptq >= target:
         return {**record, "reached": True, "kept_float": [], "mixed_select": ptq, "measured": {}, "tried": [],
                 "seconds": round(time.perf_counter() - t0, 2)}, None
-    all_int8_error, errors = rank_by_output_error(run, model, candidates)
+    all_int8_error, errors = rank_by_output_error(passes, model, candidates)
     ranked = shortlist(candidates, {c.name: all_int8_error - errors[c.name] for c in candidates}, plan.measured)
     costs = measure_candidates(model, ranked, lambda desc: score(measure(desc)), ptq)
     gainful = sorted((c for c in ranked if costs[c.name] > 0), key=lambda c: costs[c.name] / c.macs, reverse=True)
@@ -222,7 +233,8 @@ def deployment_summary(model: nn.Module, imgsz: int) -> dict:
     boundaries (from the Q/DQ lint of the graph the export writes, traced small: the topology is the same) and
     the lint's problem count (0: every join shares its scale, every float conv is float on purpose)."""
     convs = float_convs(model)
-    proto = model_to_onnx(model)
+    with held(model):
+        proto = model_to_onnx(model)
     report = lint(proto, kept_float=tuple(float_conv_nodes(proto.graph, convs)))
     return {"float_convs": convs, "int8_mac_share": round(int8_mac_share(model, imgsz), 4),
             "boundaries": len(report.boundaries), "lint_problems": report.problems}

@@ -38,6 +38,7 @@ from models.distributed import World, data_parallel, init, shutdown_after, world
 from models.checkpoint import copy_checkpoint, load_float_model, load_quantized_model, read_checkpoint, save_checkpoint
 from models.evaluate import NMSConfig, evaluate, metrics_table, val_loader
 from models.fast_step import STEP_MODES, compiled, plan_step, to_layout
+from models.layer_outputs import LayerOutputs
 from models.finetune import FineTuner, QATObjective, QATRecipe, learnable_amax_parameters
 from models.mixed_precision import (MixedPrecision, choose_float_set, deployment_summary, float_candidates, keep_float,
                                     measure_candidates)
@@ -381,7 +382,7 @@ class QuantizeRun:
             images = next(iter(inputs.select))[0].float().div(255).to(inputs.device)
             record, mixed = choose_float_set(model, candidates, MixedPrecision(cfg.max_loss), task.score(origin),
                                              task.score(ptq), lambda desc: self.measure(model, desc), task.score,
-                                             lambda: TorchRunner(model)(images))
+                                             LayerOutputs(model, images))
         record = world.broadcast(record)
         kept = {c["name"] for c in record["kept_float"]}
         keep_float(model, [c for c in candidates if c.name in kept])

@@ -25,6 +25,7 @@ import torch.nn as nn
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 from tqdm import tqdm
 
+from models.layer_outputs import LayerOutputs
 from models.losses import head_distillation
 
 SEARCH_IMAGES = 16  # the first calibration images: the error is compared on these
@@ -92,32 +93,6 @@ def _weights_quantized_once(model: nn.Module) -> Iterator[None]:
             m._weight_quantizer.enable()
 
 
-class _Layers:
-    """The model's layers run one at a time as upstream's forward runs them (each reads the previous output or the
-    ones its `f` names), every output kept, so that a pass can start at any layer whose inputs are still valid."""
-
-    def __init__(self, model: nn.Module, images: torch.Tensor):
-        self.layers, self.images = list(model.model), images
-        self.outputs: list = []
-        self.layer_of = {id(m): i for i, layer in enumerate(self.layers) for m in layer.modules()}
-
-    def _input(self, i: int):
-        f = self.layers[i].f
-        previous = self.outputs[i - 1] if i else self.images
-        if isinstance(f, int):
-            return previous if f == -1 else self.outputs[f]
-        return [previous if j == -1 else self.outputs[j] for j in f]
-
-    def run(self, start: int, stop: int | None = None):
-        """Layers [start, stop) (the outputs before `start` are kept); the last output (the model's, run to the
-        end)."""
-        del self.outputs[start:]
-        with torch.no_grad():
-            for i in range(start, len(self.layers) if stop is None else stop):
-                self.outputs.append(self.layers[i](self._input(i)))
-        return self.outputs[-1] if self.outputs else None
-
-
 def search(model: nn.Module, quantizers: Sequence[TensorQuantizer], candidates: dict[str, list[torch.Tensor]],
            images: torch.Tensor) -> tuple[list[torch.Tensor], list[str], list[int]]:
     """Each activation quantizer's range, one of `candidates` ({method: one amax per quantizer}, in the order ties
@@ -135,7 +110,7 @@ def search(model: nn.Module, quantizers: Sequence[TensorQuantizer], candidates: 
     methods = list(candidates)
     chosen: list[str] = [methods[0]] * len(quantizers)
     order: list[int] = []
-    layers = _Layers(model, images)
+    layers = LayerOutputs(model, images)
     try:
         head = model.model[-1]
         nc, reg_max = int(head.nc), int(getattr(head, "reg_max", 16))
@@ -150,7 +125,7 @@ def search(model: nn.Module, quantizers: Sequence[TensorQuantizer], candidates: 
                 # minutes on a CPU: a pass through the rest of the network per quantizer and candidate
                 for k in tqdm(order, desc="per-quantizer ranges", unit="quantizer"):
                     q = quantizers[k]
-                    first = min((layers.layer_of[id(m)] for m in readers[k]), default=len(layers.layers))
+                    first = layers.first_layer(readers[k])
                     layers.run(valid, first)
                     q.enable()
                     errors: dict[float, float] = {}  # by amax: methods that give one range are measured once

@@ -4,7 +4,7 @@ offer `held()`: the block one evaluation runs it in."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ContextManager
+from typing import Callable, ContextManager
 
 import numpy as np
 import onnx
@@ -36,13 +36,18 @@ class TorchRunner:
         from models.held_state import held  # pytorch-quantization: only for PyTorch models
         return held(self.model, weights=True)
 
-    @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.run(lambda: self.model(images.to(self.device).float()))
+
+    @torch.no_grad()
+    def run(self, forward: Callable[[], object]) -> dict[str, torch.Tensor]:
+        """`forward()` (the model on images, or a pass over some of its layers: models/layer_outputs.py) with the
+        model in eval and export mode, its outputs named."""
         was_training = self.model.training
         self.model.eval()
         try:
             with detect_export_mode(self.model):
-                out = self.model(images.to(self.device).float())
+                out = forward()
         finally:
             self.model.train(was_training)
         out = out if isinstance(out, (list, tuple)) else (out,)

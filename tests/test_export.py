@@ -5,7 +5,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import IMGSZ, build_model, run_cli, save_float_checkpoint
+from conftest import IMGSZ, build_model, call_cli, run_cli, save_float_checkpoint
 
 from models.checkpoint import load_for_export, save_checkpoint
 from models.quantize import QuantRecipe, calibrate, quantize_model
@@ -102,6 +102,28 @@ def test_float_export_is_exact_and_has_no_qdq(demo_data, tmp_path):
     assert result["qdq_pairs"] == 0 and not result["quantized"]
     parity = verify_parity(load_for_export(weights), result["onnx"], _calib_images(demo_data, 1))
     assert parity["rel_err"]["output0"] < 1e-5, parity
+
+
+def test_reuse_keeps_a_graph_of_these_weights_and_settings_and_exports_again_otherwise(tiny_gelan_weights, tmp_path):
+    """`--reuse` (what scripts/val_trt.sh exports with): the graph beside the weights is kept when its metadata
+    records these weights and these settings, and exported again for another image size or changed weights."""
+    import shutil
+    weights = tmp_path / "m.pt"
+    shutil.copy(tiny_gelan_weights, weights)
+    onnx_file = weights.with_suffix(".onnx")
+
+    def export(imgsz):
+        r = call_cli("export_qat.py", "--weights", weights, "--include", "onnx", "--dynamic", "--simplify", "--imgsz",
+                     imgsz, "--reuse")
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stderr
+    assert "reusing" not in export(64)
+    written = onnx_file.stat().st_mtime_ns
+    assert "reusing" in export(64) and onnx_file.stat().st_mtime_ns == written
+    assert "with other settings; exporting again" in export(96)
+    assert onnx.load(onnx_file).graph.input[0].type.tensor_type.shape.dim[2].dim_value == 96
+    weights.write_bytes(weights.read_bytes() + b"\0")  # other bytes: other weights, as far as the digest goes
+    assert "from other weights" in export(96)
 
 
 def test_scales_in_onnx_are_amax_over_127(tmp_path):

@@ -13,9 +13,9 @@ from conftest import IMGSZ, REPO, TRAINED_T, run_cli
 from pytorch_quantization import nn as quant_nn
 
 from models.checkpoint import load_float_model, save_checkpoint
-from models.mixed_precision import (MixedPrecision, choose_float_set, conv_macs, float_candidates, float_convs,
-                                    int8_mac_share, keep_float)
-from models.runners import TorchRunner
+from models.layer_outputs import LayerOutputs
+from models.mixed_precision import (MixedPrecision, candidate_quantizers, choose_float_set, conv_macs, float_candidates,
+                                    float_convs, int8_mac_share, keep_float, kept_float)
 from models.quantize import QuantRecipe, calibrate, quantize_model
 from utils.engine_graph import analyse
 from utils.onnx_utils import model_to_onnx
@@ -81,6 +81,30 @@ def test_kept_float_tensor_classes_export_lint_clean_and_named(ptq_model, tmp_pa
         assert len(unnamed.unquantized_convs) == len(convs), flags
 
 
+def test_a_pass_from_the_first_layer_a_candidate_is_used_in_equals_the_whole_forward(ptq_model):
+    """Ranking reruns only the layers from the first one that uses a candidate's quantizers, on the kept outputs of
+    the all-INT8 pass: bit for bit the whole forward's outputs, for a candidate read in one layer and for a shared
+    one (ADown's pool quantizer, also read by convs of later layers). Starting one layer later misses the change;
+    a pass that does not keep its outputs leaves the all-INT8 ones for the next candidate."""
+    model = copy.deepcopy(ptq_model).eval()
+    images = torch.rand(2, 3, IMGSZ, IMGSZ)
+    passes = LayerOutputs(model, images)
+    with pytest.raises(RuntimeError, match="run from layer 0 first"):
+        passes.run(3)
+    int8 = passes.run(0)
+    assert torch.equal(int8[0], model(images)[0])
+    candidates = {c.name: c for c in float_candidates(model, IMGSZ)}
+    for name in ("model.15.cv3.0.m.1.cv1.conv._input_quantizer", "model.5._avgpool_quantizer"):
+        c = candidates[name]
+        start = passes.first_layer(candidate_quantizers(model, [c]))
+        assert start == int(name.split(".")[1])
+        with kept_float(model, [c]):
+            whole = model(images)[0]
+            assert torch.equal(passes.run(start, keep=False)[0], whole), name
+            assert not torch.equal(passes.run(start + 1, keep=False)[0], whole), name
+        assert torch.equal(passes.run(start, keep=False)[0], int8[0])  # the kept outputs are still all-INT8
+
+
 def _scored(model, candidates, gains, base):
     """A select score that is `base` plus the gain of every candidate now in float (read off the model's
     quantizers): the selection logic on the real model, with known costs."""
@@ -98,8 +122,7 @@ def test_choose_keeps_the_cheapest_set_that_reaches_the_budget(ptq_model):
     """Candidates added most mAP per MAC first, measuring the growing set, until the budget is met; unreachable: the
     best set found, said so; already within: nothing measured. Costs are what the candidate alone gains."""
     model = copy.deepcopy(ptq_model)
-    images = torch.rand(2, 3, IMGSZ, IMGSZ)
-    run = lambda: TorchRunner(model)(images)  # noqa: E731
+    passes = LayerOutputs(model, torch.rand(2, 3, IMGSZ, IMGSZ))
     candidates = float_candidates(model, IMGSZ)[:4]
     by_mac = sorted(candidates, key=lambda c: c.macs)
     # the largest class gains the most, the smallest the most per MAC: the order must follow the MACs
@@ -107,20 +130,20 @@ def test_choose_keeps_the_cheapest_set_that_reaches_the_budget(ptq_model):
     gains = [0.004 if c is by_mac[0] else 0.006 if c is by_mac[-1] else -0.001 for c in candidates]
     plan = MixedPrecision(max_loss=0.001, measured=4)
     record, mixed = choose_float_set(model, candidates, plan, origin=0.5, ptq=0.495,
-                                     **_measured(_scored(model, candidates, gains, 0.495)), run=run)
+                                     **_measured(_scored(model, candidates, gains, 0.495)), passes=passes)
     assert record["reached"] and [c["name"] for c in record["kept_float"]] == [by_mac[0].name]
     assert mixed["ap"] == record["mixed_select"]  # the kept set's metrics, as measured while choosing
     assert record["kept_float"][0]["cost"] == pytest.approx(0.004) and record["mixed_select"] == pytest.approx(0.499)
     assert len(record["measured"]) == 4 and not any(model.get_submodule(c.name)._disabled for c in candidates)
     record, mixed = choose_float_set(model, candidates, MixedPrecision(max_loss=0.0, measured=4), origin=0.51,
-                                     ptq=0.495, **_measured(_scored(model, candidates, gains, 0.495)), run=run)
+                                     ptq=0.495, **_measured(_scored(model, candidates, gains, 0.495)), passes=passes)
     assert not record["reached"] and [t["kept_float"] for t in record["tried"]] == [
         [by_mac[0].name], [by_mac[0].name, by_mac[-1].name]]  # only the gainful ones, the most per MAC first
     assert {c["name"] for c in record["kept_float"]} == {by_mac[0].name, by_mac[-1].name}
     assert record["mixed_select"] == pytest.approx(0.505) == mixed["ap"]  # the kept set's metrics
     calls = []
     record, mixed = choose_float_set(model, candidates, plan, origin=0.5, ptq=0.4995,
-                                     **_measured(lambda d: calls.append(d) or 0.0), run=run)
+                                     **_measured(lambda d: calls.append(d) or 0.0), passes=passes)
     assert record["reached"] and record["kept_float"] == [] and calls == [] and mixed is None
 
 
@@ -136,8 +159,12 @@ def test_only_the_shortlist_is_measured_cheap_wins_and_large_ones_alternately(pt
     errors = [0.1 * (1 + by_macs.index(c)) for c in candidates]
     on = lambda c: not model.get_submodule(c.name)._disabled  # noqa: E731
 
-    def run():  # the outputs; with every quantizer off (the reference) the candidates add nothing
-        return {"output0": torch.tensor([[1.0 + sum(e for c, e in zip(candidates, errors) if on(c))]])}
+    class Passes:  # the output; with every quantizer off (the reference) the candidates add nothing
+        def first_layer(self, modules):
+            return 0
+
+        def run(self, start, keep=True):
+            return torch.tensor([[1.0 + sum(e for c, e in zip(candidates, errors) if on(c))]])
     total = sum(errors)
     removed = {c.name: total ** 2 - (total - e) ** 2 for c, e in zip(candidates, errors)}
     per_mac = sorted(candidates, key=lambda c: removed[c.name] / c.macs, reverse=True)
@@ -145,7 +172,7 @@ def test_only_the_shortlist_is_measured_cheap_wins_and_large_ones_alternately(pt
     want = list(dict.fromkeys(c.name for pair in zip(per_mac, overall) for c in pair))[:4]
     assert want != [c.name for c in per_mac[:4]] and want != [c.name for c in overall[:4]]  # both rankings matter
     record, _ = choose_float_set(model, candidates, MixedPrecision(max_loss=0.001, measured=4), origin=0.5, ptq=0.49,
-                                 **_measured(_scored(model, candidates, [0.0] * 8, 0.49)), run=run)
+                                 **_measured(_scored(model, candidates, [0.0] * 8, 0.49)), passes=Passes())
     assert list(record["measured"]) == want
     assert not record["reached"] and record["kept_float"] == []  # nothing gained: nothing kept
 

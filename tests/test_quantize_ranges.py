@@ -63,7 +63,7 @@ def test_a_range_that_hurts_the_detector_is_replaced(calibrated):
     picked = {order[0], order[len(order) // 2], order[-1]}
     fine = [a.clone() for a in stats.ranges("mse")]
     hurt = [a / 20 if k in picked else a.clone() for k, a in enumerate(fine)]
-    ranges, chosen, _ = search(model, quantizers, {"hurt": hurt, "fine": fine}, images)
+    ranges, chosen, _ = search(model, quantizers, {"hurt": hurt, "fine": fine}, images[:4])
     assert {k for k, m in enumerate(chosen) if m == "fine"} == picked
     assert all(torch.equal(r, f) for r, f in zip(ranges, fine))
     assert all(float(q.amax) == float(f) for q, f in zip(quantizers, fine))  # left at the chosen ranges, on
@@ -77,7 +77,7 @@ def test_each_choice_is_the_least_loss_of_a_full_forward_pass(calibrated):
     model = copy.deepcopy(model)
     quantizers = [q for _, q in named_quantizers(model, activations_only=True)]
     pool = {m: stats.ranges(m) for m in HISTOGRAM_CANDIDATES}
-    images = images[:8]
+    images = images[:4]  # a pass per quantizer and candidate: the fewest images that still tell the ranges apart
     reference = _float_output(model, images)
     ranges, chosen, order = search(model, quantizers, pool, images)
     assert order == call_order(model, quantizers, images)
