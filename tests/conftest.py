@@ -103,8 +103,10 @@ def demo_data() -> Path:
 
 @pytest.fixture(scope="session")
 def demo_data320() -> Path:
-    """The demo dataset's distribution at 320 px (what assets/gelan-t-demo.pt was trained on), new images."""
-    return _demo("demo320", "--train", 16, "--val", 100, "--imgsz", 320, "--seed", 5)
+    """The demo dataset's distribution at 320 px (what assets/gelan-t-demo.pt was trained on), new images: 16 train /
+    40 val (the val images are measured again and again at 320 px: runtime tolerances are counted in boxes,
+    one_box)."""
+    return _demo("demo320-40", "--train", 16, "--val", 40, "--imgsz", 320, "--seed", 5)
 
 
 @pytest.fixture(scope="session")
@@ -158,6 +160,10 @@ def find_shared() -> Path | None:
 
 SHARED = find_shared()
 TRAINED_T = REPO / "assets" / "gelan-t-demo.pt"  # gelan-t trained on the demo dataset (H100, 60 epochs, 320 px)
+# Where a test evaluates TRAINED_T over and over (an evaluation per tensor class): 3/5 of the size it was trained at
+# still finds the shapes (float mAP50-95 on 100 images of the demo320 distribution: 0.19 at 192 px, 0.26 at 256, 0.14
+# at 160) at 56 % of 256 px's cost
+REDUCED_SIZE = 192
 
 
 def build_model(cfg: str, nc: int = 12, seed: int = 0):

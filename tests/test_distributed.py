@@ -26,33 +26,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _combine_in_two_processes(rank: int, port: int, chunks: list, out: str) -> None:
+def _two_ranks(rank: int, port: int, chunks: list, out: str) -> None:
+    """Rank `rank`'s part of each check below that needs two processes, in one process group: a spawned process
+    spends ~10 s importing before it does anything, so the three share one pair of processes."""
     import torch.distributed as dist
-
-    from models.distributed import World, combine_statistics
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        _combine(rank, chunks, out)
+        _search(rank, out)
+        _step(rank, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[list, object]:
+    """The chunks the histogram check combines, and the folder each rank saved its results of _two_ranks in."""
+    import torch.multiprocessing as mp
+    out = tmp_path_factory.mktemp("ranks")
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(4000, generator=g) * s for s in (1.0, 0.5, 3.0, 1.2, 20.0)]
+    mp.start_processes(_two_ranks, args=(_free_port(), chunks, str(out)), nprocs=2,
+                       start_method="spawn")  # fork would copy this process's OpenMP threads
+    return chunks, out
+
+
+def _combine(rank: int, chunks: list, out: str) -> None:
+    from models.distributed import World, combine_statistics
     collector = HistogramCollector()
     for x in chunks[rank::2]:
         collector.collect(x)
     combine_statistics([collector], World(rank, 2, rank))
     np.savez(f"{out}/rank{rank}.npz", width=collector._width, hist=collector.hist.numpy(), max=collector.max)
-    dist.destroy_process_group()
 
 
-def test_histograms_combined_across_ranks_equal_one_process(tmp_path):
+def test_histograms_combined_across_ranks_equal_one_process(two_ranks):
     """Rank 0 takes batches 0, 2, 4, rank 1 batches 1, 3, each seeing other values first than one process does;
     the combined histograms equal one collector's over batches 0-4, bin for bin, including a batch whose range
     outgrows the others (bins merged) and ranks whose largest values differ."""
-    g = torch.Generator().manual_seed(0)
-    chunks = [torch.randn(4000, generator=g) * s for s in (1.0, 0.5, 3.0, 1.2, 20.0)]
+    chunks, out = two_ranks
     single = HistogramCollector()
     for x in chunks:
         single.collect(x)
-    import torch.multiprocessing as mp
-    mp.start_processes(_combine_in_two_processes, args=(_free_port(), chunks, str(tmp_path)), nprocs=2,
-                       start_method="spawn")  # fork would copy this process's OpenMP threads
     for rank in (0, 1):
-        saved = np.load(tmp_path / f"rank{rank}.npz")
+        saved = np.load(out / f"rank{rank}.npz")
         assert float(saved["width"]) == single._width and float(saved["max"]) == single.max
         assert np.array_equal(saved["hist"], single.hist.numpy())
         combined = HistogramCollector()
@@ -208,33 +225,28 @@ def test_two_process_calibration_equals_one_process(gelan_t_weights, demo_data, 
     assert all(torch.equal(one["max"][n], two["max"][n]) for n in names if n not in acts)  # weights: per channel
 
 
-def _search_in_two_processes(rank: int, port: int, out: str) -> None:
+def _search(rank: int, out: str) -> None:
     """`per-quantizer` calibration of gelan-t (its first layers: a search costs a pass per quantizer and candidate)
     on 2 gloo ranks, each its own share of two global batches, rank 1's model other than rank 0's (its own search
     would choose otherwise); what each rank ends with saved."""
-    import torch.distributed as dist
     from conftest import build_model
 
     from models.distributed import World
     from models.quantize import QuantRecipe, calibrate, named_quantizers, quantize_model
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     recipe = QuantRecipe(calib_method="per-quantizer", skip=(r"^model\.([4-9]|\d\d)\.",))
     model = quantize_model(build_model("gelan-t", seed=rank).fuse(), recipe)
     shares = [torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(10 * b + rank)) for b in range(2)]
     stats = calibrate(model, recipe, shares, World(rank, 2, rank))
     torch.save({"images": stats.images, "methods": stats.per_quantizer, "shares": shares,
                 "amax": {n: q.amax.clone() for n, q in named_quantizers(model, activations_only=True)}},
-               f"{out}/{rank}.pt")
-    dist.destroy_process_group()
+               f"{out}/search{rank}.pt")
 
 
-def test_per_quantizer_ranges_are_searched_once_and_held_by_every_rank(tmp_path):
+def test_per_quantizer_ranges_are_searched_once_and_held_by_every_rank(two_ranks):
     """Rank 0 searches on the first calibration images in one process's order (each global batch: rank 0's share,
     then rank 1's) and broadcasts: both ranks end with the same choice and the same ranges, bit for bit, though
     rank 1's model differs."""
-    import torch.multiprocessing as mp
-    mp.start_processes(_search_in_two_processes, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
-    runs = [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
+    runs = [torch.load(two_ranks[1] / f"search{r}.pt") for r in (0, 1)]
     order = torch.cat([torch.cat([runs[0]["shares"][b], runs[1]["shares"][b]]) for b in range(2)])
     assert torch.equal(runs[0]["images"], order) and torch.equal(runs[1]["images"], order)
     assert len(runs[0]["methods"]) > 3 and runs[0]["methods"] == runs[1]["methods"]
@@ -271,19 +283,17 @@ def test_two_process_qat_writes_one_report_and_resume_checks_the_world(gelan_t_w
     assert r.returncode != 0 and "runs in one process" in r.stderr
 
 
-def _step_in_two_processes(rank: int, port: int, out: str) -> None:
+def _step(rank: int, out: str) -> None:
     """One training step of a calibrated quantized gelan-t under DDP's default (every buffer broadcast before every
     forward) and under the student's wrapper, from the same weights: each rank its own images; the loss and the
     averaged gradients of both saved."""
     import copy
 
-    import torch.distributed as dist
     from conftest import build_model
     from torch.nn.parallel import DistributedDataParallel
 
     from models.distributed import World, data_parallel
     from models.quantize import QuantRecipe, calibrate, quantize_model
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = quantize_model(build_model("gelan-t").fuse())
     calibrate(model, QuantRecipe(calib_method="max"), [torch.rand(2, 3, 64, 64, generator=torch.Generator()
@@ -305,18 +315,15 @@ def _step_in_two_processes(rank: int, port: int, out: str) -> None:
         runs[name] = {"loss": loss.detach(), "broadcast": ddp.broadcast_buffers, "wrapped": wrapped,
                       "after": {n: b.clone() for n, b in student.named_buffers() if n.endswith("_amax")},
                       "grads": {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}}
-    torch.save(runs, f"{out}/{rank}.pt")
-    dist.destroy_process_group()
+    torch.save(runs, f"{out}/step{rank}.pt")
 
 
-def test_a_step_without_per_step_buffer_broadcast_equals_ddps_default(tmp_path):
+def test_a_step_without_per_step_buffer_broadcast_equals_ddps_default(two_ranks):
     """The student's wrapper broadcasts its buffers (the quantizers' ranges) once, when it wraps, not before every
     step: rank 1, whose ranges started a quarter wider, holds rank 0's from the wrap on and after the step (a range
     that drifted apart would show here), and a step's loss and averaged gradients equal DDP's default, which
     broadcasts them each time (the same sums in the same order: equal within float rounding on any CPU)."""
-    import torch.multiprocessing as mp
-    mp.start_processes(_step_in_two_processes, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
-    runs = [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
+    runs = [torch.load(two_ranks[1] / f"step{r}.pt") for r in (0, 1)]
     assert [(r["ours"]["broadcast"], r["default"]["broadcast"]) for r in runs] == [(False, True)] * 2
     ranges = runs[0]["ours"]["wrapped"]
     assert len(ranges) > 100

@@ -9,7 +9,7 @@ import subprocess
 import onnx
 import pytest
 import torch
-from conftest import IMGSZ, REPO, TRAINED_T, run_cli
+from conftest import IMGSZ, REDUCED_SIZE, REPO, TRAINED_T, run_cli
 from pytorch_quantization import nn as quant_nn
 
 from models.checkpoint import load_float_model, save_checkpoint
@@ -181,11 +181,10 @@ def test_quantize_max_loss_names_float_layers_and_exports_clean(demo_data320, tm
     """`qat.py quantize --max-loss 0` from a PTQ that loses on select (max ranges from one batch): the report names
     the tensor classes kept in float, their measured cost and what they cost the engine; the delivered model keeps
     them in float and exports lint-clean, with ONNX Runtime matching PyTorch."""
-    # at 256 px (4/5 of the size it was trained at: it still finds the shapes): each candidate measured, and each
-    # set tried, is an evaluation
-    r = run_cli("qat.py", "quantize", "--weights", TRAINED_T, "--data", demo_data320, "--imgsz", 256, "--batch-size",
-                2, "--device", "cpu", "--workers", 0, "--num-image", 16, "--epochs", 1, "--iters", 2, "--calib-batches",
-                1, "--calib-method", "max", "--max-loss", 0, "--project", tmp_path, "--name", "m")
+    # each candidate measured, and each set tried, is an evaluation
+    r = run_cli("qat.py", "quantize", "--weights", TRAINED_T, "--data", demo_data320, "--imgsz", REDUCED_SIZE,
+                "--batch-size", 2, "--device", "cpu", "--workers", 0, "--num-image", 16, "--epochs", 1, "--iters", 2,
+                "--calib-batches", 1, "--calib-method", "max", "--max-loss", 0, "--project", tmp_path, "--name", "m")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "m" / "report.json").read_text())
     mp = report["mixed_precision"]
@@ -197,7 +196,7 @@ def test_quantize_max_loss_names_float_layers_and_exports_clean(demo_data320, tm
                                                                                             abs=1e-4)
     assert "float conv(s), select" in report["table"] and "mixed precision:" in r.stderr + r.stdout
     final = report["final"]["file"]
-    e = run_cli("export_qat.py", "--weights", final, "--include", "onnx", "--imgsz", 256, "--dtype", "fp32",
+    e = run_cli("export_qat.py", "--weights", final, "--include", "onnx", "--imgsz", REDUCED_SIZE, "--dtype", "fp32",
                 "--verify", "--data", demo_data320, "--json", tmp_path / "export.json")
     assert e.returncode == 0, e.stderr[-3000:]
     result = json.loads((tmp_path / "export.json").read_text())

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import IMGSZ, TRAINED_T, call_cli, run_cli
+from conftest import IMGSZ, REDUCED_SIZE, TRAINED_T, call_cli, run_cli
 
 COMMON = ["--imgsz", IMGSZ, "--batch-size", 4, "--device", "cpu", "--workers", 0]
 
@@ -13,10 +13,9 @@ def test_sensitive_measures_every_tensor_class_on_select(demo_data320, tmp_path)
     """The costs `--max-loss` measures, for every candidate (an INT8 tensor class and the convs reading it), on the
     select split carved from the training images (the calibration images come from the rest), with the trained
     demo gelan-t: the float model's select mAP is the one val_trt.py measures on exactly the select images (not
-    on val: 8 images against 100), and keeping tensor classes in float moves the score (costs of both signs)."""
-    # at 256 px (4/5 of the size it was trained at: it still finds the shapes), as each of its ~150 candidates is
-    # one evaluation
-    r = run_cli("qat.py", "sensitive", "--weights", TRAINED_T, "--data", demo_data320, "--imgsz", 256,
+    on val: 8 images against 40), and keeping tensor classes in float moves the score (costs of both signs)."""
+    # each of its ~150 candidates is one evaluation
+    r = run_cli("qat.py", "sensitive", "--weights", TRAINED_T, "--data", demo_data320, "--imgsz", REDUCED_SIZE,
                 "--batch-size", 4, "--device", "cpu", "--workers", 0, "--calib-batches", 2, "--calib-method", "max",
                 "--project", tmp_path, "--name", "s")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -31,7 +30,7 @@ def test_sensitive_measures_every_tensor_class_on_select(demo_data320, tmp_path)
     assert costs[0] > 0 > costs[-1] and summary["baseline_ptq"]["ap"] != summary["origin_select"]["ap"]
     data = tmp_path / "select.yaml"
     data.write_text(f"path: {tmp_path}\ntrain: {select}\nval: {select}\nnc: 12\nnames: {list(range(12))}\n")
-    r = call_cli("val_trt.py", "--weights", TRAINED_T, "--data", data, "--imgsz", 256, "--batch-size", 8,
+    r = call_cli("val_trt.py", "--weights", TRAINED_T, "--data", data, "--imgsz", REDUCED_SIZE, "--batch-size", 8,
                  "--device", "cpu", "--workers", 0, "--project", tmp_path, "--name", "fp")
     assert r.returncode == 0, r.stderr[-2000:]
     independent = json.loads((tmp_path / "fp" / "val_trt.json").read_text())

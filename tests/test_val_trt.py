@@ -12,6 +12,7 @@ from conftest import REPO, SHARED, TRAINED_T, call_cli, end2end_vs_plain, one_bo
 
 from models.checkpoint import load_float_model, save_checkpoint
 from models.quantize import QuantRecipe, calibrate, quantize_model
+from utils.batches import load_data
 
 REFERENCE = (SHARED or REPO) / "reference" / "002_fd809eff222b6c94.txt"
 
@@ -57,23 +58,22 @@ def test_onnxruntime_backend_equals_pytorch(fp32_graph, demo_data320):
     What differs between the two runtimes is the summation order inside each convolution, so a value sitting on
     an INT8 rounding boundary can round the other way and a few boxes move by a step. One such box that crosses a
     ground-truth match (or swaps rank with one) moves its class's AP by up to 1 / (that class's boxes), and mAP by
-    that over the number of classes: 1 / (12 x 20) = 0.0042 for the rarest class here, about what was seen across
-    CPUs and thread counts (0.004 to 0.006). The bound allows three such boxes on the rarest class; a wrong scale
-    or a lost quantizer moves hundreds. Precision and recall are read at the single
+    that over the number of classes: 1 / (12 x 8) = 0.0104 for the rarest class here (on 100 images of the same
+    data, 1 / (12 x 20): 0.004 to 0.006 was seen across CPUs and thread counts, one to two boxes). The bound allows
+    three such boxes on the rarest class; a wrong scale or a lost quantizer moves hundreds. Precision and recall are read at the single
     confidence where the smoothed F1 curve peaks; that curve is flat near its top, so a few flips move the peak
     along it and trade precision for recall (seen with AVX2 kernels on one thread: P 0.334 vs 0.361, R 0.542 vs
     0.516). Their F1 is what stays put (0.413 vs 0.425 there): it gets 0.025."""
     from models.evaluate import evaluate, val_loader
     from models.runners import OnnxRuntimeRunner, open_runner
     from models.task import DETECT
-    from utils.batches import load_data
     weights, onnx_path = fp32_graph
     data = load_data(demo_data320)
     loader = val_loader(DETECT, data, SIZE, 4, 0)
     ours = evaluate(OnnxRuntimeRunner(onnx_path), loader, DETECT, data["nc"])
     ref = evaluate(open_runner(weights, "cpu"), loader, DETECT, data["nc"])
     print("ORT", ours, "PyTorch", ref, {k: round(ours[k] - ref[k], 5) for k in ("ap", "ap50")})
-    assert ours["images"] == ref["images"] == 100
+    assert ours["images"] == ref["images"] == 40
     assert ref["ap50"] > 0.1  # a trained model: the comparison is not between two empty results
     for k in ("ap", "ap50"):
         assert ours[k] == pytest.approx(ref[k], abs=3 * one_box(data)), (k, one_box(data))
@@ -88,7 +88,7 @@ def test_detections_match_box_for_box(fp32_graph, demo_data320):
     from models.checkpoint import load_for_export
     from models.export import verify_parity
     weights, onnx_path = fp32_graph
-    images = export_qat.verification_images(str(demo_data320), SIZE, 4, 25)
+    images = export_qat.verification_images(str(demo_data320), SIZE, 4, 10)  # all 40 val images
     parity = verify_parity(load_for_export(weights), onnx_path, images)
     print(parity)
     assert parity["detections_counted"] > 50 and parity["detections_matched"] >= 0.97, parity
@@ -102,11 +102,11 @@ def test_cli_batch_1_and_3_agree_and_qat_eval_equals_val_trt(quantized, demo_dat
                      batch, "--workers", 0, "--project", tmp_path, "--name", f"b{batch}")
         assert r.returncode == 0, r.stderr[-3000:]
         results[batch] = json.loads((tmp_path / f"b{batch}" / "val_trt.json").read_text())
-    assert results[1]["backend"] == "onnxruntime" and results[1]["images"] == 100
-    # Batched convolutions sum in another order, which flips a few INT8 roundings: mAP equal within 0.005, the F1
-    # at the peak within 0.025 (see test_onnxruntime_backend_equals_pytorch)
+    assert results[1]["backend"] == "onnxruntime" and results[1]["images"] == 40
+    # Batched convolutions sum in another order, which flips a few INT8 roundings: mAP equal within two boxes of the
+    # rarest class, the F1 at the peak within 0.025 (see test_onnxruntime_backend_equals_pytorch)
     for k in ("ap", "ap50"):
-        assert results[1][k] == pytest.approx(results[3][k], abs=0.005), k
+        assert results[1][k] == pytest.approx(results[3][k], abs=2 * one_box(load_data(demo_data320))), k
     assert f1(results[1]) == pytest.approx(f1(results[3]), abs=0.025)
     # qat.py eval and val_trt.py --weights: one loop, one letterbox, the same batches: the same numbers
     common = ["--data", demo_data320, "--imgsz", SIZE, "--batch-size", 4, "--device", "cpu", "--workers", 0,
@@ -116,7 +116,7 @@ def test_cli_batch_1_and_3_agree_and_qat_eval_equals_val_trt(quantized, demo_dat
     assert r.returncode == 0, r.stderr[-2000:]
     qe = json.loads((tmp_path / "qe" / "eval.json").read_text())
     vt = json.loads((tmp_path / "vt" / "val_trt.json").read_text())
-    assert vt["backend"] == "pytorch" and vt["images"] == 100 and qe["ap50"] > 0.1
+    assert vt["backend"] == "pytorch" and vt["images"] == 40 and qe["ap50"] > 0.1
     assert {k: qe[k] for k in ("ap", "ap50", "precision", "recall")} == {k: vt[k] for k in ("ap", "ap50", "precision",
                                                                                            "recall")}
 
@@ -201,7 +201,8 @@ def test_tensorrt_engine_matches_onnxruntime(quantized, demo_data320, tmp_path):
                     tmp_path, "--name", name)
         assert r.returncode == 0, r.stderr[-2000:]
         out[name] = json.loads((tmp_path / name / "val_trt.json").read_text())
-    assert out["trt"]["ap"] == pytest.approx(out["ort"]["ap"], abs=0.005)
+    # TensorRT's kernels sum in yet another order: three boxes of the rarest class, as ONNX Runtime against PyTorch
+    assert out["trt"]["ap"] == pytest.approx(out["ort"]["ap"], abs=3 * one_box(load_data(demo_data320)))
 
 
 def test_end_to_end_graph_scores_like_the_plain_graph(quantized, demo_data320, tmp_path):
@@ -212,8 +213,8 @@ def test_end_to_end_graph_scores_like_the_plain_graph(quantized, demo_data320, t
     out = end2end_vs_plain(weights, plain, demo_data320, SIZE, tmp_path)
     assert out["plain"]["ap50"] > 0.1
     assert out["e2e"]["nms_in_graph"] == {"conf_thres": 0.001, "iou_thres": 0.7, "max_det": 300.0}
-    for k in ("ap", "ap50"):
-        assert out["e2e"][k] == pytest.approx(out["plain"][k], abs=0.005), k
+    for k in ("ap", "ap50"):  # the same boxes up to ties: within two boxes of the rarest class
+        assert out["e2e"][k] == pytest.approx(out["plain"][k], abs=2 * one_box(load_data(demo_data320))), k
     e2e = tmp_path / "e2e.pt"
     r = run_cli("export_qat.py", "--weights", e2e, "--include", "onnx_end2end", "--dynamic", "--imgsz", SIZE,
                 "--exist-ok")  # the deployment defaults: 0.25 / 0.45 / 100
