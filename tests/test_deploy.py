@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import IMGSZ, REPO, SHARED, TRAINED_T, run_cli
+from conftest import IMGSZ, REPO, SHARED, TRAINED_T, call_cli, run_cli
 
 from utils.engine_graph import analyse, load_layers, load_profile, to_dot
 from utils.qdq_lint import lint_file
@@ -124,8 +124,7 @@ def test_lint_counts_fp32_compute_in_an_fp16_graph(exported, tmp_path):
     onnx.save(model, tmp_path / "mixed.onnx")
     report = lint_file(tmp_path / "mixed.onnx")
     assert {c["op"] for c in report.fp32_compute} == {"Softmax", "Cast"} and report.problems >= 2
-    r = subprocess.run([os.sys.executable, "-m", "utils.qdq_lint", str(tmp_path / "mixed.onnx"), "--strict"],
-                       cwd=REPO, capture_output=True, text=True)
+    r = call_cli("utils/qdq_lint.py", tmp_path / "mixed.onnx", "--strict")
     assert r.returncode == 1 and "FP32 Softmax" in r.stdout
 
 
@@ -246,8 +245,7 @@ def test_engine_graph_on_real_tensorrt_engines(prefix, layers, reformats, inside
     assert report.by_precision["INT8"] == 53
     assert report.time_share_by_precision["INT8"] == pytest.approx(int8_share, abs=1e-4)
     assert sum(report.time_share_by_precision.values()) == pytest.approx(1.0, abs=1e-3)
-    r = subprocess.run([os.sys.executable, "-m", "utils.engine_graph", str(graph), "--profile", str(profile),
-                        "--strict", "--svg", str(tmp_path / "g.svg")], cwd=REPO, capture_output=True, text=True)
+    r = call_cli("utils/engine_graph.py", graph, "--profile", profile, "--strict", "--svg", tmp_path / "g.svg")
     assert r.returncode == (1 if problems else 0) and f"Reformat layers: {reformats} ({inside} inside" in r.stdout
     drawn = tmp_path / ("g.svg" if (tmp_path / "g.svg").exists() else "g.dot")
     assert drawn.stat().st_size > 1000
@@ -258,8 +256,7 @@ def test_engine_graph_baseline_finds_the_reformats_another_engine_has_not():
     if not (FIXTURES / "mobilenet.qat.onnx.engine.graph.json").is_file():
         pytest.skip(f"the shared engine-graph fixtures were not found (set YOLOV9_QAT_SHARED); looked in {FIXTURES}")
     worse, better = (FIXTURES / f"{p}.qat.onnx.engine.graph.json" for p in ("mobilenet", "mobilenet_v2_residuals"))
-    run = lambda a, b: subprocess.run([os.sys.executable, "-m", "utils.engine_graph", str(a), "--baseline", str(b)],  # noqa: E731
-                                      cwd=REPO, capture_output=True, text=True)
+    run = lambda a, b: call_cli("utils/engine_graph.py", a, "--baseline", b)  # noqa: E731
     r = run(worse, better)
     assert r.returncode == 1 and "12 more requantize FP16->INT8 (inside)" in r.stdout
     assert run(better, worse).returncode == 0
@@ -292,8 +289,7 @@ def test_engine_graph_reads_tensorrt_11_layer_json(tmp_path):
     dot = to_dot(*load_layers(path))
     assert dot.count("->") == 5 and "Reformat (INT8)" in dot
     (tmp_path / "bad.json").write_text(json.dumps({"Layers": ["conv1", "conv2"]}))  # not --profilingVerbosity=detailed
-    r = subprocess.run([os.sys.executable, "-m", "utils.engine_graph", str(tmp_path / "bad.json")], cwd=REPO,
-                       capture_output=True, text=True)
+    r = call_cli("utils/engine_graph.py", tmp_path / "bad.json")
     assert r.returncode == 2 and "profilingVerbosity=detailed" in r.stderr
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch._dynamo
 import yaml
-from conftest import CHECKOUT, TRAINED_T, NothingHeld, tiny_gelan
+from conftest import CHECKOUT, REDUCED_SIZE, TRAINED_T, NothingHeld, tiny_gelan
 
 from models.fast_step import EAGER, AutoRule, StepPlan, plan_step, teacher_mode
 from models.finetune import RECIPES, FineTuner, QATObjective
@@ -137,8 +137,9 @@ def test_each_epoch_is_judged_on_the_weights_it_trained(demo_data320):
     data = load_data(demo_data320)
     teacher = copy_float(load_float_model(TRAINED_T))
     model = quantize_model(load_float_model(TRAINED_T), QuantRecipe())
-    select = val_loader(DETECT, data, 320, 8, 0, num_image=16)
-    train = [(b[0].float() / 255, b[1], None) for b in val_loader(DETECT, {"val": data["train"]}, 320, 4, 0)]
+    select = val_loader(DETECT, data, REDUCED_SIZE, 8, 0, num_image=16)
+    train = val_loader(DETECT, {"val": data["train"]}, REDUCED_SIZE, 4, 0)
+    train = [(b[0].float() / 255, b[1], None) for b in train]
     calibrate(model, QuantRecipe(calib_method="percentile"), [b[0] for b in train[:2]])
     hyp = yaml.safe_load((CHECKOUT / "data/hyps/hyp.scratch-high.yaml").read_text())
     plan = StepPlan(compiled=True, channels_last=False, fused_optimizer=True, reason="test")

@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
 
 import onnx
 import pytest
 import torch
-from conftest import IMGSZ, REDUCED_SIZE, REPO, TRAINED_T, run_cli
+from conftest import IMGSZ, REDUCED_SIZE, TRAINED_T, call_cli, run_cli
 from pytorch_quantization import nn as quant_nn
 
 from models.checkpoint import load_float_model, save_checkpoint
@@ -225,8 +223,7 @@ def test_engine_graph_counts_kept_float_layers_as_intended(tmp_path):
     graph = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))
     graph.metadata_props.append(onnx.StringStringEntryProto(key=FLOAT_LAYERS_KEY, value='["/model.1/conv/Conv"]'))
     onnx.save(graph, tmp_path / "m.onnx")
-    run = lambda *a: subprocess.run([os.sys.executable, "-m", "utils.engine_graph", str(path), "--strict", *a],  # noqa: E731
-                                    cwd=REPO, capture_output=True, text=True)
+    run = lambda *a: call_cli("utils/engine_graph.py", path, "--strict", *a)  # noqa: E731
     assert run().returncode == 1
     r = run("--onnx", str(tmp_path / "m.onnx"))
     assert r.returncode == 0 and "kept in float on purpose: 1 reformat(s) into /model.1/conv/Conv" in r.stdout

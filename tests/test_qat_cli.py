@@ -5,13 +5,13 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import IMGSZ, TRAINED_T, build_model, call_cli, run_cli, save_float_checkpoint
+from conftest import IMGSZ, REDUCED_SIZE, TRAINED_T, build_model, call_cli, run_cli, save_float_checkpoint
 
 
 COMMON = ["--imgsz", IMGSZ, "--batch-size", 4, "--device", "cpu", "--workers", 0]
 
 
-TRAINED_RUN = ["--imgsz", 320, "--batch-size", 4, "--device", "cpu", "--workers", 0, "--num-image", 40]
+TRAINED_RUN = ["--imgsz", REDUCED_SIZE, "--batch-size", 4, "--device", "cpu", "--workers", 0, "--num-image", 40]
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ from conftest import build_model
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.calibrate import HistogramCollector, amax_entropy, amax_mse, amax_percentile
+from models.calibrate import PER_QUANTIZER, HistogramCollector, amax_entropy, amax_mse, amax_percentile
 from models.checkpoint import load_quantized_model, save_checkpoint
 from models.held_state import held
-from models.quantize import (CALIB_METHODS, QuantRecipe, calibrate, collect_statistics, fake_quant,
+from models.quantize import (CALIB_METHODS, HISTOGRAM_CANDIDATES, QuantRecipe, calibrate, collect_statistics, fake_quant,
                              is_quantized, named_quantizers, quantization_disabled, quantize_model, quantizer_counts, skip_patterns)
 from utils.onnx_utils import unshared_joins
 from utils.onnx_utils import activation_quantize_nodes, model_to_onnx
@@ -98,7 +98,20 @@ def test_without_sharing_the_lint_finds_joins():
     assert len(unshared_joins(model_to_onnx(model, 64).graph)) > 10
 
 
-FIXED_METHODS = [m for m in CALIB_METHODS if m != "auto"]
+FIXED_METHODS = [m for m in CALIB_METHODS if m not in ("auto", PER_QUANTIZER)]
+
+
+def test_per_quantizer_calibration_ranges_every_activation_quantizer(tiny_gelan_weights):
+    """`per-quantizer` through calibrate(): every activation quantizer gets a finite positive range, one of the
+    one-rule candidates' (its search costs a pass per quantizer and candidate: the smallest GELAN with every block;
+    tests/test_quantize_ranges.py checks its choices on the trained model)."""
+    from models.checkpoint import load_float_model
+    model = quantize_model(load_float_model(tiny_gelan_weights))
+    stats = calibrate(model, QuantRecipe(calib_method=PER_QUANTIZER), _images(2))
+    acts = dict(named_quantizers(model, activations_only=True))
+    amax = torch.stack([q.amax.float() for q in acts.values()])
+    assert torch.isfinite(amax).all() and (amax > 0).all()
+    assert len(stats.per_quantizer) == len(acts) > 10 and set(stats.per_quantizer.values()) <= set(HISTOGRAM_CANDIDATES)
 
 
 @pytest.mark.parametrize("method", FIXED_METHODS)

@@ -20,12 +20,12 @@ COMMON = ["--imgsz", SIZE, "--batch-size", 4, "--device", "cpu", "--workers", 0]
 
 @pytest.fixture(scope="module")
 def select_data(seg_data, tmp_path_factory) -> Path:
-    """The first 20 val images as a yaml of their own: what the run chooses on (each candidate, stage and epoch is
+    """The first 10 val images as a yaml of their own: what the run chooses on (each candidate, stage and epoch is
     evaluated there)."""
     import yaml
     folder = tmp_path_factory.mktemp("select")
     data = yaml.safe_load(seg_data.read_text())
-    images = sorted((seg_data.parent / "images" / "val").glob("*.png"))[:20]
+    images = sorted((seg_data.parent / "images" / "val").glob("*.png"))[:10]
     (folder / "select.txt").write_text("".join(f"{f}\n" for f in images))
     data.update(path=str(seg_data.parent), val=str(folder / "select.txt"))
     (folder / "select.yaml").write_text(yaml.safe_dump(data))
