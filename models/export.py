@@ -96,7 +96,7 @@ def export_graph(model: nn.Module, spec: GraphSpec, device: torch.device, wrappe
     im = torch.zeros(spec.batch_size, 3, *spec.imgsz, device=device)
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "model.onnx"
-        with held(model):  # the scales traced as constants, not their computation at every call (models/held_state.py)
+        with held(model):  # scales traced as constants, not their computation at every call (models/held_state.py)
             export_onnx(model if wrapper is None else wrapper, im, f, opset=opset, dynamic=spec.dynamic,
                         output_names=output_names)
         proto = onnx.load(str(f))

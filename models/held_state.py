@@ -12,8 +12,9 @@ did: every QAT epoch was judged on the weights of the first evaluation).
   a later block holds other values (its guards compare them). Opened by each fine-tuning epoch (models/finetune.py),
   each evaluation and each ONNX export of a quantized model (models/export.py, the scale-sharing rules' and mixed
   precision's in-memory traces): the trace then records each scale as a constant instead of the ops that compute
-  it from amax at every call, which took half of a gelan-t trace's time (the same graph). A learned amax (a trained parameter) is not held: its grad-enabled forward computes its own
-  scale, and no-grad calls outside a block compute it from the current value. Changing a held range inside the
+  it from amax at every call, which took half of a gelan-t trace's time (the same graph). A learned amax (a
+  trained parameter) is not held: its grad-enabled forward computes its own scale, and no-grad calls outside a
+  block compute it from the current value. Changing a held range inside the
   block (`set_amax`, loading a state dict, calibrating) raises instead of going unseen.
 - `held(..., weights=True)`: in addition each weight's fake-quantized value, computed at its first use in the block
   and reused for every later batch (on a CPU quantizing a weight costs about as much as its convolution on a small

@@ -38,8 +38,8 @@ from models.distributed import World, data_parallel, init, shutdown_after, world
 from models.checkpoint import copy_checkpoint, load_float_model, load_quantized_model, read_checkpoint, save_checkpoint
 from models.evaluate import NMSConfig, evaluate, metrics_table, val_loader
 from models.fast_step import STEP_MODES, compiled, plan_step, to_layout
-from models.layer_outputs import LayerOutputs
 from models.finetune import FineTuner, QATObjective, QATRecipe, learnable_amax_parameters
+from models.layer_outputs import LayerOutputs
 from models.mixed_precision import (MixedPrecision, choose_float_set, deployment_summary, float_candidates, keep_float,
                                     measure_candidates)
 from models.quantize import (QuantRecipe, calibrate, collect_statistics, copy_float, is_quantized,
