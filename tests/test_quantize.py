@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from models.calibrate import PER_QUANTIZER, HistogramCollector, amax_entropy, amax_mse, amax_percentile
 from models.checkpoint import load_quantized_model, save_checkpoint
 from models.held_state import held
-from models.quantize import (CALIB_METHODS, HISTOGRAM_CANDIDATES, QuantRecipe, calibrate, collect_statistics, fake_quant,
-                             is_quantized, named_quantizers, quantization_disabled, quantize_model, quantizer_counts, skip_patterns)
+from models.quantize import (CALIB_METHODS, HISTOGRAM_CANDIDATES, QuantRecipe, calibrate, collect_statistics,
+                             fake_quant, is_quantized, named_quantizers, quantization_disabled, quantize_model, quantizer_counts, skip_patterns)
 from utils.onnx_utils import unshared_joins
 from utils.onnx_utils import activation_quantize_nodes, model_to_onnx
 
@@ -111,7 +111,8 @@ def test_per_quantizer_calibration_ranges_every_activation_quantizer(tiny_gelan_
     acts = dict(named_quantizers(model, activations_only=True))
     amax = torch.stack([q.amax.float() for q in acts.values()])
     assert torch.isfinite(amax).all() and (amax > 0).all()
-    assert len(stats.per_quantizer) == len(acts) > 10 and set(stats.per_quantizer.values()) <= set(HISTOGRAM_CANDIDATES)
+    assert len(stats.per_quantizer) == len(acts) > 10
+    assert set(stats.per_quantizer.values()) <= set(HISTOGRAM_CANDIDATES)
 
 
 @pytest.mark.parametrize("method", FIXED_METHODS)
