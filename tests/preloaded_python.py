@@ -149,8 +149,17 @@ def _supervise(conn: socket.socket, served_env: dict) -> None:
             with contextlib.suppress(OSError):  # a launcher killed meanwhile hears nothing
                 conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
             os._exit(0)
-        if select.select([conn], [], [], 0.05)[0] and not conn.recv(1):
+        if select.select([conn], [], [], 0.05)[0] and launcher_gone(conn):
             os.kill(pid, signal.SIGKILL)
+
+
+def launcher_gone(conn: socket.socket) -> bool:
+    """Whether the launcher's end of a readable `conn` is closed. A launcher killed before it read the {"pid"}
+    answer resets the connection instead of closing it (Linux, for a Unix socket closed with unread data)."""
+    try:
+        return not conn.recv(1)
+    except ConnectionResetError:
+        return True
 
 
 def _launcher(folder: Path) -> Path:

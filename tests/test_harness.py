@@ -3,11 +3,13 @@ checkout) against a fresh interpreter: what a script can observe of how it was s
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 from conftest import CHECKOUT, run_preloaded
+from preloaded_python import launcher_gone
 
 INNER = r'''
 import os, sys
@@ -124,3 +126,13 @@ for _ in range(100):
 ''')
     r = run_preloaded([str(script)], tmp_path, dict(os.environ, PYTHONUNBUFFERED="1"), 60)
     assert (r.returncode, r.stdout) == (0, "preloaded True\ngone\n"), r.stderr
+
+
+@pytest.mark.parametrize("unread", [b"", b'{"pid": 1}\n'], ids=["read its answer", "killed before reading it"])
+def test_a_launcher_that_went_away_is_gone_whether_or_not_it_read_its_answer(unread):
+    """The race the test above can lose on a loaded machine: the script kills its child's launcher before the
+    launcher has read the {"pid"} answer; the connection is then reset, not closed, and the fork must die all the same."""
+    supervisor, launcher = socket.socketpair()
+    supervisor.sendall(unread)
+    launcher.close()
+    assert launcher_gone(supervisor)
