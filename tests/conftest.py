@@ -11,7 +11,7 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -236,6 +236,35 @@ def gelan_t_weights(tmp_path_factory) -> Path:
     return save_float_checkpoint(build_model("gelan-t"), tmp_path_factory.mktemp("w") / "gelan-t-demo.pt")
 
 
+class Started:
+    """A script running in a fork of a PreloadedPython (its `start`), as a Popen is for a process of its own."""
+
+    def __init__(self, server: PreloadedPython, cmd: list[str], pid: int, folder) -> None:
+        self.server, self.cmd, self.pid, self.folder = server, cmd, pid, folder
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server._answer("returncode", 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> subprocess.CompletedProcess:
+        """Its exit code and what it printed; killed, and TimeoutExpired raised, past `timeout` seconds."""
+        if self.returncode is None:
+            self.returncode = self.server._answer("returncode", timeout)
+        expired = self.returncode is None
+        if expired:
+            os.kill(self.pid, 9)
+            self.returncode = self.server._answer("returncode")
+        self.server.running = None
+        out, err = Path(self.folder.name) / "out", Path(self.folder.name) / "err"
+        printed = [path.read_text(errors="replace") if path.exists() else "" for path in (out, err)]
+        self.folder.cleanup()
+        if expired:
+            raise subprocess.TimeoutExpired(self.cmd, timeout, *printed)
+        return subprocess.CompletedProcess(self.cmd, self.returncode, *printed)
+
+
 class PreloadedPython:
     """tests/preloaded_python.py, started once per environment in this worker: each run a fresh process forked from a
     Python that has imported torch and the checkout (~12 s a start saved, of ~100 starts in the suite)."""
@@ -244,6 +273,7 @@ class PreloadedPython:
         self.server = subprocess.Popen([sys.executable, str(REPO / "tests" / "preloaded_python.py")], cwd=cwd,
                                        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.pending = b""  # what was read of the server's answers past the last whole line
+        self.running: Started | None = None
         self._answer("ready")
 
     def _answer(self, key: str, timeout: float | None = None):
@@ -260,25 +290,23 @@ class PreloadedPython:
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)[key]
 
-    def run(self, cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    def start(self, cmd: list[str], cwd: Path, interruptible: bool = False) -> Started:
+        """`cmd` started in a fork, not waited for. The server answers in the order its children end: one at a time."""
         import tempfile
-        with tempfile.TemporaryDirectory() as tmp:
-            out, err = Path(tmp) / "out", Path(tmp) / "err"
-            umask = os.umask(0)
-            os.umask(umask)
-            request = {"script": cmd[0], "args": cmd[1:], "cwd": str(cwd), "out": str(out), "err": str(err),
-                       "umask": umask}
-            self.server.stdin.write(json.dumps(request) + "\n")
-            self.server.stdin.flush()
-            pid = self._answer("pid")
-            returncode = self._answer("returncode", timeout)
-            if returncode is None:
-                os.kill(pid, 9)
-                self._answer("returncode")
-                printed = [path.read_text(errors="replace") if path.exists() else "" for path in (out, err)]
-                raise subprocess.TimeoutExpired(cmd, timeout, *printed)
-            return subprocess.CompletedProcess(cmd, returncode, out.read_text(errors="replace"),
-                                               err.read_text(errors="replace"))
+        assert self.running is None, f"{self.running.cmd} still runs in this server"
+        folder = tempfile.TemporaryDirectory()
+        umask = os.umask(0)
+        os.umask(umask)
+        out, err = Path(folder.name) / "out", Path(folder.name) / "err"
+        request = {"script": cmd[0], "args": cmd[1:], "cwd": str(cwd), "out": str(out), "err": str(err),
+                   "umask": umask, "interruptible": interruptible}
+        self.server.stdin.write(json.dumps(request) + "\n")
+        self.server.stdin.flush()
+        self.running = Started(self, cmd, self._answer("pid"), folder)
+        return self.running
+
+    def run(self, cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+        return self.start(cmd, cwd).wait(timeout)
 
     def close(self) -> None:
         self.server.stdin.close()
@@ -289,10 +317,7 @@ _PRELOADED: dict[tuple, PreloadedPython] = {}  # this worker's servers by enviro
 KEEP_SERVERS = 2  # the session's environment and one test's own (~0.9 GB each)
 
 
-def run_preloaded(cmd: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """`python script args` (cmd: the script's path, then its arguments) with `env`, in a new process forked from a
-    preloaded Python started with that environment (tests/preloaded_python.py says what it shares with a fresh
-    interpreter, which is only imports). PYTHONPATH in `env` picks the checkout whose modules it preloads."""
+def _server(env: dict, cwd: Path) -> PreloadedPython:
     # pytest names the running test in the environment: kept out, or every test would start its own server
     env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
     key = tuple(sorted(env.items()))
@@ -300,13 +325,41 @@ def run_preloaded(cmd: list[str], cwd: Path, env: dict, timeout: float) -> subpr
         while len(_PRELOADED) >= KEEP_SERVERS:
             _PRELOADED.pop(next(iter(_PRELOADED))).close()
         _PRELOADED[key] = PreloadedPython(env, cwd)
-    return _PRELOADED[key].run(cmd, cwd, timeout)
+    return _PRELOADED[key]
+
+
+def run_preloaded(cmd: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`python script args` (cmd: the script's path, then its arguments) with `env`, in a new process forked from a
+    preloaded Python started with that environment (tests/preloaded_python.py says what it shares with a fresh
+    interpreter, which is only imports). PYTHONPATH in `env` picks the checkout whose modules it preloads."""
+    return _server(env, cwd).run(cmd, cwd, timeout)
 
 
 def run_cli(script: str, *args, cwd: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
     """Run a top-level script of the patched checkout as a user would, in a new process (run_preloaded)."""
     return run_preloaded([str(CHECKOUT / script), *map(str, args)], cwd or CHECKOUT,
                          dict(os.environ, PYTHONUNBUFFERED="1"), timeout)
+
+
+def start_cli(script: str, *args) -> Started:
+    """run_cli, not waited for; Ctrl-C (SIGINT) interrupts it as in a terminal, whatever the suite was started with."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return _server(env, CHECKOUT).start([str(CHECKOUT / script), *map(str, args)], CHECKOUT, interruptible=True)
+
+
+def wait_for_file(folder: Path, glob: str, started: Started, timeout: float = 600) -> None:
+    """Until a file matching `glob` is in `folder`; fails if `started` ends first."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if list(folder.glob(glob)):
+            return
+        if started.poll() is not None:
+            raise AssertionError(f"run ended early: {started.wait().stderr[-2000:]}")
+        time.sleep(0.2)
+    with suppress(subprocess.TimeoutExpired):
+        started.wait(0)  # killed, so that the server can serve the next test
+    raise AssertionError(f"{glob} never appeared in {folder}")
 
 
 def load_script(path: Path, name: str):

@@ -10,9 +10,10 @@ leaves; the RNGs that import seeds from the OS are seeded again per fork, as a n
 tests/test_harness.py compares it with a fresh interpreter.
 
 Two ways in:
-- the test process (conftest.run_preloaded), one JSON line each way on the server's stdin and stdout: it writes
-  {"script", "args", "cwd", "out", "err", "umask"} (stdin from /dev/null, stdout and stderr to those files); the
-  server answers {"pid"} once the child runs and {"returncode"} when it ends (negative: killed by that signal, as
+- the test process (conftest.run_preloaded, start_preloaded), one JSON line each way on the server's stdin and
+  stdout: it writes {"script", "args", "cwd", "out", "err", "umask", "interruptible"} (stdin from /dev/null, stdout
+  and stderr to those files; SIGINT raising KeyboardInterrupt if interruptible, else as in the server); the server
+  answers {"pid"} once the child runs and {"returncode"} when it ends (negative: killed by that signal, as
   subprocess reports it).
 - the scripts' own child processes: in a child, `sys.executable` is a launcher (tests/python_launcher.py) under
   the real interpreter's name, so what a script starts with sys.executable (the benchmark's steps) is forked here
@@ -120,7 +121,10 @@ def _start(request: dict, fds: list[int], sigint) -> int:
 def _from_file(request: dict) -> int:
     null = os.open(os.devnull, os.O_RDONLY)
     outs = [os.open(request[k], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for k in ("out", "err")]
-    return _start(request, [null, *outs], signal.getsignal(signal.SIGINT))
+    # Ctrl-C as in a terminal when asked: a suite started in the background (`cmd &`, nohup) starts this server with
+    # SIGINT ignored, which its forks would inherit
+    sigint = signal.default_int_handler if request["interruptible"] else signal.getsignal(signal.SIGINT)
+    return _start(request, [null, *outs], sigint)
 
 
 def _supervise(conn: socket.socket, served_env: dict) -> None:

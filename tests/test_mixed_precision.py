@@ -3,18 +3,20 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
 
 import onnx
 import pytest
 import torch
-from conftest import IMGSZ, REDUCED_SIZE, TRAINED_T, call_cli, run_cli
+from conftest import IMGSZ, REDUCED_SIZE, TRAINED_T, call_cli, run_cli, start_cli, wait_for_file
 from pytorch_quantization import nn as quant_nn
 
-from models.checkpoint import load_float_model, save_checkpoint
+from models.checkpoint import load_float_model, load_quantized_model, save_checkpoint
 from models.layer_outputs import LayerOutputs
 from models.mixed_precision import (MixedPrecision, candidate_quantizers, choose_float_set, conv_macs, float_candidates,
                                     float_convs, int8_mac_share, keep_float, kept_float)
-from models.quantize import QuantRecipe, calibrate, quantize_model
+from models.quantize import QuantRecipe, calibrate, named_quantizers, quantize_model
 from utils.engine_graph import analyse
 from utils.onnx_utils import model_to_onnx
 from utils.qdq_lint import FLOAT_LAYERS_KEY, lint, lint_file, module_of
@@ -175,16 +177,25 @@ def test_only_the_shortlist_is_measured_cheap_wins_and_large_ones_alternately(pt
     assert not record["reached"] and record["kept_float"] == []  # nothing gained: nothing kept
 
 
-def test_quantize_max_loss_names_float_layers_and_exports_clean(demo_data320, tmp_path):
-    """`qat.py quantize --max-loss 0` from a PTQ that loses on select (max ranges from one batch): the report names
-    the tensor classes kept in float, their measured cost and what they cost the engine; the delivered model keeps
-    them in float and exports lint-clean, with ONNX Runtime matching PyTorch."""
+@pytest.fixture(scope="module")
+def max_loss_run(demo_data320, tmp_path_factory):
+    """`qat.py quantize --max-loss 0` from a PTQ that loses on select (max ranges from one batch), 2 QAT epochs:
+    its arguments, its run folder and what it printed."""
+    tmp = tmp_path_factory.mktemp("max-loss")
     # each candidate measured, and each set tried, is an evaluation
-    r = run_cli("qat.py", "quantize", "--weights", TRAINED_T, "--data", demo_data320, "--imgsz", REDUCED_SIZE,
-                "--batch-size", 2, "--device", "cpu", "--workers", 0, "--num-image", 16, "--epochs", 1, "--iters", 2,
-                "--calib-batches", 1, "--calib-method", "max", "--max-loss", 0, "--project", tmp_path, "--name", "m")
+    args = ["quantize", "--weights", TRAINED_T, "--data", demo_data320, "--imgsz", REDUCED_SIZE, "--batch-size", 2,
+            "--device", "cpu", "--workers", 0, "--num-image", 16, "--epochs", 2, "--iters", 2, "--calib-batches", 1,
+            "--calib-method", "max", "--max-loss", 0, "--project", tmp]
+    r = run_cli("qat.py", *args, "--name", "m")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    report = json.loads((tmp_path / "m" / "report.json").read_text())
+    return args, tmp / "m", r.stdout + r.stderr
+
+
+def test_quantize_max_loss_names_float_layers_and_exports_clean(max_loss_run, demo_data320, tmp_path):
+    """The report names the tensor classes kept in float, their measured cost and what they cost the engine; the
+    delivered model keeps them in float and exports lint-clean, with ONNX Runtime matching PyTorch."""
+    _, run_dir, printed = max_loss_run
+    report = json.loads((run_dir / "report.json").read_text())
     mp = report["mixed_precision"]
     assert mp["all_int8_select"] < mp["origin_select"]  # the premise: all INT8 loses on select
     assert mp["kept_float"] and all(c["cost"] > 0 for c in mp["kept_float"])
@@ -192,14 +203,49 @@ def test_quantize_max_loss_names_float_layers_and_exports_clean(demo_data320, tm
     assert 0.9 < mp["int8_mac_share"] < 1 and mp["boundaries"] >= 1 and mp["lint_problems"] == 0
     assert mp["mixed_select"] > mp["all_int8_select"] and report["ptq"]["ap"] == pytest.approx(mp["mixed_select"],
                                                                                             abs=1e-4)
-    assert "float conv(s), select" in report["table"] and "mixed precision:" in r.stderr + r.stdout
-    final = report["final"]["file"]
+    assert "float conv(s), select" in report["table"] and "mixed precision:" in printed
+    final = shutil.copy(report["final"]["file"], tmp_path)  # the graph beside it, not in the run folder others read
     e = run_cli("export_qat.py", "--weights", final, "--include", "onnx", "--imgsz", REDUCED_SIZE, "--dtype", "fp32",
                 "--verify", "--data", demo_data320, "--json", tmp_path / "export.json")
     assert e.returncode == 0, e.stderr[-3000:]
     result = json.loads((tmp_path / "export.json").read_text())
     assert result["lint"]["problems"] == 0 and len(result["lint"]["intended_float"]) == len(mp["float_convs"])
     assert result["parity"]["detections_matched"] >= 0.95  # tolerance: models/export.py (one INT8 step flips)
+
+
+def _summary(run_dir):
+    report = json.loads((run_dir / "report.json").read_text())
+    mixed = {k: v for k, v in report["mixed_precision"].items() if k != "seconds"}
+    return (sorted(p.name for p in (run_dir / "weights").iterdir()),
+            [(e["epoch"], e["ap"], e["loss"]) for e in report["qat"]], report["qat_best"]["epoch"],
+            report["select"], report["calibration"]["chosen"], report["calibration"]["candidates"],
+            {k: report["final"][k] for k in ("stage", "epoch", "ap")}, mixed)
+
+
+def test_killed_run_resumes_to_the_same_result(max_loss_run):
+    """The same run, SIGKILLed after its first QAT epoch, then --resume: the same files and numbers as the
+    uninterrupted run (each epoch's data order and augmentation are seeded by the epoch), the same select split,
+    calibration choice, tensor classes kept in float and delivered model, no temp files left behind: the resumed
+    run keeps the choices it made rather than making them again, and the delivered file keeps its float classes."""
+    import signal
+    args, full, _ = max_loss_run
+    killed = full.parent / "killed"
+    run = start_cli("qat.py", *args, "--name", killed.name)
+    wait_for_file(killed / "weights", "qat_ep_1_*.pt", run)
+    os.kill(run.pid, signal.SIGKILL)
+    assert run.wait().returncode == -signal.SIGKILL
+    report = json.loads((killed / "report.json").read_text())
+    assert report["ptq"] is not None and report["mixed_precision"]["kept_float"] and not report.get("finished")
+    r = run_cli("qat.py", "quantize", "--resume", killed, "--device", "cpu", "--workers", 0)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming" in r.stdout + r.stderr
+    assert _summary(killed) == _summary(full)
+    assert not list(killed.rglob("*.tmp")) and not list(killed.rglob("qat_state.pt"))
+    again = call_cli("qat.py", "quantize", "--resume", killed, "--device", "cpu")
+    assert again.returncode == 2 and "nothing to resume" in again.stderr
+    delivered = load_quantized_model(killed / "weights" / "best_gelan-t-demo.pt")
+    kept = {c["name"] for c in report["mixed_precision"]["kept_float"]}
+    assert {n for n, q in named_quantizers(delivered, activations_only=True) if q._disabled} == kept
 
 
 def test_engine_graph_counts_kept_float_layers_as_intended(tmp_path):
