@@ -53,6 +53,39 @@ class FirstBatches:
         return self.n
 
 
+class KeptBatches:
+    """A FirstBatches whose batches are decoded on the first whole pass and kept for every later one. A run evaluates
+    on its select images again and again (the float model, each calibration candidate, each mixed-precision set,
+    each epoch), and decoding them each time costs more than a GPU's forward of them. Valid while the image files
+    are those of the first pass: a run does not expect its data to change under it. Nobody may modify a batch in
+    place (evaluate() does not). A pass left early (`next(iter(...))`) keeps nothing."""
+
+    def __init__(self, loader: FirstBatches):
+        self.loader, self.batch_size = loader, loader.batch_size
+        self.batches: list | None = None
+
+    def __iter__(self):
+        return iter(self.batches) if self.batches is not None else self._first_pass()
+
+    def _first_pass(self):
+        batches = []
+        for batch in self.loader:
+            batches.append(batch)
+            yield batch
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.loader)
+
+
+KEEP_BYTES = 1 << 30  # decoded images kept in memory up to this size (1,000 images at 640 px: 1.2 GB)
+
+
+def kept_in_memory(loader: FirstBatches, imgsz: int, limit: int = KEEP_BYTES) -> FirstBatches | KeptBatches:
+    """`loader` with its batches kept after the first pass (KeptBatches) if its images fit in `limit` bytes."""
+    return KeptBatches(loader) if len(loader) * loader.batch_size * 3 * imgsz * imgsz <= limit else loader
+
+
 def val_loader(task: Task, data_dict: dict, imgsz: int, batch_size: int, workers: int, num_image: int | None = None,
                data: str | Path = "", split: str = "val") -> FirstBatches:
     """Square letterboxed batches of the `split` images (pad 0.5 of a stride, as upstream val). Refuses a split

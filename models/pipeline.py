@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from models.distributed import World, data_parallel, init, shutdown_after, world_from_env
 from models.checkpoint import copy_checkpoint, load_float_model, load_quantized_model, read_checkpoint, save_checkpoint
-from models.evaluate import NMSConfig, evaluate, metrics_table, val_loader
+from models.evaluate import NMSConfig, evaluate, kept_in_memory, metrics_table, val_loader
 from models.fast_step import STEP_MODES, compiled, plan_step, to_layout
 from models.finetune import FineTuner, QATObjective, QATRecipe, learnable_amax_parameters
 from models.layer_outputs import LayerOutputs
@@ -203,8 +203,8 @@ def open_select_split(inputs: Inputs, cfg: RunConfig, folder: Path) -> None:
     if fit is not None:
         inputs.data_dict = {**inputs.data_dict, "train": fit}
     if world.main:  # the rank that evaluates
-        inputs.select = val_loader(inputs.task, {"val": select}, cfg.imgsz, cfg.batch_size * 2, cfg.workers,
-                                   cfg.num_image, cfg.select.data or cfg.data)
+        inputs.select = kept_in_memory(val_loader(inputs.task, {"val": select}, cfg.imgsz, cfg.batch_size * 2,
+                                                  cfg.workers, cfg.num_image, cfg.select.data or cfg.data), cfg.imgsz)
 
 
 def train_loader(task: Task, data_dict: dict, cfg: RunConfig, hyp: dict, augment: bool, world: World = World()):

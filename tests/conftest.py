@@ -35,9 +35,10 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # The files that take longest, longest first (pytest --durations on a 2-core CPU): xdist hands out whole files in
 # collection order (pytest.ini: loadfile, not reordered), so these start first and the last minutes are not one
 # long file on one core while the other waits. The rest follow in name order.
-LONGEST_FIRST = ("test_upstream.py", "test_distributed.py", "test_segment.py", "test_val_trt.py", "test_export.py",
-                 "test_resume.py", "test_scripts.py", "test_mixed_precision.py", "test_fast_step.py",
-                 "test_quantize_ranges.py", "test_qat_cli.py")
+LONGEST_FIRST = ("test_upstream.py", "test_distributed.py", "test_segment.py", "test_mixed_precision.py",
+                 "test_scripts.py", "test_export.py", "test_fast_step.py", "test_qat_cli.py", "test_val_trt.py",
+                 "test_reparameterization.py", "test_quantize.py", "test_sensitive.py", "test_deploy.py",
+                 "test_published.py")
 
 
 def pytest_collection_modifyitems(items) -> None:

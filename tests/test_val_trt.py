@@ -251,3 +251,30 @@ def test_nms_is_upstreams_without_its_clock(demo_data320, monkeypatch):
     assert len(late[-1]) == 0 < len(ref[-1])  # upstream gave up on the last image
     for r, o in zip(ref, (multi_label_nms(x, cfg, nm=3) for x in pred)):
         torch.testing.assert_close(o, r, rtol=0, atol=0)
+
+
+def test_select_batches_are_decoded_once_and_the_same_on_every_pass(seg_data, tmp_path):
+    """The select split's loader (kept_in_memory): the second pass gives the first pass's batches, masks included,
+    without reading an image file again (they are gone by then); a pass left early keeps nothing, and a split whose
+    images would not fit the limit is streamed as before."""
+    import yaml
+    from models.evaluate import FirstBatches, KeptBatches, kept_in_memory, val_loader
+    from models.task import SEGMENT
+    copy = tmp_path / "data"
+    shutil.copytree(seg_data.parent, copy)
+    data = {**yaml.safe_load(seg_data.read_text()), "path": str(copy)}
+    data["val"] = str(copy / "images" / "val")
+    loader = kept_in_memory(val_loader(SEGMENT, data, 160, 4, 0, num_image=10), 160)
+    assert isinstance(loader, KeptBatches) and len(loader) == 3
+    next(iter(loader))  # left early: nothing kept
+    assert loader.batches is None
+    first = [[t.clone() if isinstance(t, torch.Tensor) else t for t in batch] for batch in loader]
+    shutil.rmtree(copy / "images")
+    again = list(loader)
+    assert len(again) == len(first) == 3 and sum(len(b[2]) for b in again) == 12  # whole batches of 4
+    for a, b in zip(first, again):
+        assert len(a) == len(b) == 5 and all(torch.equal(x, y) for x, y in zip(a, b) if isinstance(x, torch.Tensor))
+        assert a[2] == b[2]  # the same image paths
+    fits = len(loader) * 4 * 3 * 160 * 160  # bytes of its batches if every one were full
+    assert isinstance(kept_in_memory(loader.loader, 160, limit=fits), KeptBatches)
+    assert isinstance(kept_in_memory(loader.loader, 160, limit=fits - 1), FirstBatches)
