@@ -16,6 +16,7 @@ from models.checkpoint import load_float_model, load_quantized_model, save_check
 from models.layer_outputs import LayerOutputs
 from models.mixed_precision import (MixedPrecision, candidate_quantizers, choose_float_set, conv_macs, float_candidates,
                                     float_convs, int8_mac_share, keep_float, kept_float)
+from models.pipeline import STATE_FILE
 from models.quantize import QuantRecipe, calibrate, named_quantizers, quantize_model
 from utils.engine_graph import analyse
 from utils.onnx_utils import model_to_onnx
@@ -179,12 +180,12 @@ def test_only_the_shortlist_is_measured_cheap_wins_and_large_ones_alternately(pt
 
 @pytest.fixture(scope="module")
 def max_loss_run(demo_data320, tmp_path_factory):
-    """`qat.py quantize --max-loss 0` from a PTQ that loses on select (max ranges from one batch), 2 QAT epochs:
+    """`qat.py quantize --max-loss 0` from a PTQ that loses on select (max ranges from one batch), 3 QAT epochs:
     its arguments, its run folder and what it printed."""
     tmp = tmp_path_factory.mktemp("max-loss")
     # each candidate measured, and each set tried, is an evaluation
     args = ["quantize", "--weights", TRAINED_T, "--data", demo_data320, "--imgsz", REDUCED_SIZE, "--batch-size", 2,
-            "--device", "cpu", "--workers", 0, "--num-image", 16, "--epochs", 2, "--iters", 2, "--calib-batches", 1,
+            "--device", "cpu", "--workers", 0, "--num-image", 16, "--epochs", 3, "--iters", 2, "--calib-batches", 1,
             "--calib-method", "max", "--max-loss", 0, "--project", tmp]
     r = run_cli("qat.py", *args, "--name", "m")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -223,7 +224,8 @@ def _summary(run_dir):
 
 
 def test_killed_run_resumes_to_the_same_result(max_loss_run):
-    """The same run, SIGKILLed after its first QAT epoch, then --resume: the same files and numbers as the
+    """The same run, SIGKILLed once the state after its first QAT epoch is saved, then --resume (from that state,
+    not from PTQ): the same files and numbers as the
     uninterrupted run (each epoch's data order and augmentation are seeded by the epoch), the same select split,
     calibration choice, tensor classes kept in float and delivered model, no temp files left behind: the resumed
     run keeps the choices it made rather than making them again, and the delivered file keeps its float classes."""
@@ -231,11 +233,12 @@ def test_killed_run_resumes_to_the_same_result(max_loss_run):
     args, full, _ = max_loss_run
     killed = full.parent / "killed"
     run = start_cli("qat.py", *args, "--name", killed.name)
-    wait_for_file(killed / "weights", "qat_ep_1_*.pt", run)
+    wait_for_file(killed / "weights", STATE_FILE, run)  # saved after epoch 1's checkpoint and report
     os.kill(run.pid, signal.SIGKILL)
     assert run.wait().returncode == -signal.SIGKILL
     report = json.loads((killed / "report.json").read_text())
     assert report["ptq"] is not None and report["mixed_precision"]["kept_float"] and not report.get("finished")
+    assert len(report["qat"]) < 3  # killed with an epoch left (each ~1.5 s here): the resumed run trains again
     r = run_cli("qat.py", "quantize", "--resume", killed, "--device", "cpu", "--workers", 0)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming" in r.stdout + r.stderr
