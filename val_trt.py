@@ -107,7 +107,9 @@ def build(flags: dict) -> tuple[ValConfig, OutputDir]:
 def run(**flags) -> dict:
     cfg, out = build(flags)
     result = validate(cfg)
-    write_json(out.create() / "val_trt.json", result)
+    path = out.create() / "val_trt.json"
+    write_json(path, result)
+    LOGGER.info(f"results saved to {path}")
     return result
 
 

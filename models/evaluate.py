@@ -12,6 +12,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -221,63 +222,89 @@ def evaluate(runner, loader, task: Task, nc: int, nms: NMSConfig = NMSConfig(), 
     `keep_predictions` the COCO-json style box predictions (key "predictions")."""
     if desc:
         LOGGER.info(colorstr("eval: ") + desc)
+    fixed_batch = runner.input_shape[0]
+    stats, jdict, seen, t_infer = [], [] if keep_predictions else None, 0, 0.0
     with getattr(runner, "held", contextlib.nullcontext)():
-        stats, jdict, seen, t_infer = _run(runner, loader, task, nms, desc, keep_predictions)
-    stats = [torch.cat(x, 0).numpy() for x in zip(*stats)] if stats else []
-    metrics = summary(stats, 0, nc)
-    if task.has_masks:
-        metrics.update(summary(stats, 1, nc, "mask_"))
+        for batch in _progress(loader, desc):
+            images = batch[0].float() / 255
+            nb = len(images)
+            if fixed_batch and nb < fixed_batch:  # an engine of fixed batch takes full batches only
+                images = torch.cat([images, images.new_zeros(fixed_batch - nb, *images.shape[1:])])
+            t0 = time.perf_counter()
+            outputs = runner(images)
+            t_infer += time.perf_counter() - t0
+            stats += _batch_stats({k: v[:nb] for k, v in outputs.items()}, batch, task, nms, jdict)
+            seen += nb
+    metrics = _summaries(stats, task, nc)
     metrics.update({"images": seen, "ms_per_image": round(1000 * t_infer / max(seen, 1), 3)})
     if keep_predictions:
         metrics["predictions"] = jdict
     return metrics
 
 
-def _run(runner, loader, task: Task, nms: NMSConfig, desc: str, keep_predictions: bool
-         ) -> tuple[list[tuple], list[dict], int, float]:
-    """The runner over every batch: per-image match statistics, COCO-json predictions (if kept), images seen and
-    the runner's own seconds."""
+def evaluate_each(outputs_of: Callable[[torch.Tensor], Iterator[tuple[str, dict]]], loader, task: Task, nc: int,
+                  nms: NMSConfig = NMSConfig(), desc: str = "") -> dict[str, dict]:
+    """The metrics of several variants of one model over the same batches, in one pass over `loader`:
+    `outputs_of(images)` yields each variant's name and its outputs on a batch (as a runner returns them), in the
+    same order for every batch. Each variant's metrics equal `evaluate`'s for a runner giving its outputs."""
+    if desc:
+        LOGGER.info(colorstr("eval: ") + desc)
+    stats: dict[str, list] = {}
+    seen = 0
+    for batch in _progress(loader, desc):
+        for name, outputs in outputs_of(batch[0].float() / 255):
+            stats.setdefault(name, []).extend(_batch_stats(outputs, batch, task, nms, None))
+        seen += len(batch[0])
+    return {name: {**_summaries(s, task, nc), "images": seen} for name, s in stats.items()}
+
+
+def _progress(loader, desc: str):
+    return tqdm(loader, desc=colorstr("eval: ") + (desc or "evaluating"), bar_format=TQDM_BAR_FORMAT, leave=False)
+
+
+def _summaries(stats: list[tuple], task: Task, nc: int) -> dict:
+    stats = [torch.cat(x, 0).numpy() for x in zip(*stats)] if stats else []
+    metrics = summary(stats, 0, nc)
+    if task.has_masks:
+        metrics.update(summary(stats, 1, nc, "mask_"))
+    return metrics
+
+
+def _batch_stats(outputs: dict[str, torch.Tensor], batch, task: Task, nms: NMSConfig, jdict: list | None
+                 ) -> list[tuple]:
+    """Per-image match statistics of one batch's outputs against its labels; its COCO-json predictions appended
+    to `jdict` unless None."""
     from utils.segment.general import process_mask
-    fixed_batch = runner.input_shape[0]
-    stats, jdict, seen, t_infer = [], [], 0, 0.0
-    for batch in tqdm(loader, desc=colorstr("eval: ") + (desc or "evaluating"), bar_format=TQDM_BAR_FORMAT,
-                      leave=False):
-        im, targets, paths, shapes = batch[:4]
-        images = im.float() / 255
-        nb, _, height, width = images.shape
-        if fixed_batch and nb < fixed_batch:  # an engine of fixed batch takes full batches only
-            images = torch.cat([images, images.new_zeros(fixed_batch - nb, *images.shape[1:])])
-        t0 = time.perf_counter()
-        outputs = runner(images)
-        t_infer += time.perf_counter() - t0
-        outputs = {k: v[:nb] for k, v in outputs.items()}
-        protos = outputs.pop(task.output_names[1]) if task.has_masks and "num_dets" not in outputs else None
-        preds = detections(outputs, nms, nm=0 if protos is None else protos.shape[1])
-        targets = targets.clone()
-        targets[:, 2:] *= torch.tensor((width, height, width, height))
-        for si, pred in enumerate(preds):
-            labels = targets[targets[:, 0] == si, 1:]
-            seen += 1
-            correct = correct_masks = torch.zeros(len(pred), len(IOU_THRESHOLDS), dtype=torch.bool)
-            if len(pred) == 0:
-                if len(labels):
-                    stats.append((correct, correct_masks, torch.zeros(0), torch.zeros(0), labels[:, 0]))
-                continue
-            predn = pred.clone()
-            scale_boxes(images[si].shape[1:], predn[:, :4], shapes[si][0], shapes[si][1])
+    im, targets, paths, shapes = batch[:4]
+    _, _, height, width = im.shape
+    outputs = dict(outputs)
+    protos = outputs.pop(task.output_names[1]) if task.has_masks and "num_dets" not in outputs else None
+    preds = detections(outputs, nms, nm=0 if protos is None else protos.shape[1])
+    targets = targets.clone()
+    targets[:, 2:] *= torch.tensor((width, height, width, height))
+    stats = []
+    for si, pred in enumerate(preds):
+        labels = targets[targets[:, 0] == si, 1:]
+        correct = correct_masks = torch.zeros(len(pred), len(IOU_THRESHOLDS), dtype=torch.bool)
+        if len(pred) == 0:
             if len(labels):
-                tbox = xywh2xyxy(labels[:, 1:5])
-                scale_boxes(images[si].shape[1:], tbox, shapes[si][0], shapes[si][1])
-                correct = match(box_iou(tbox, predn[:, :4]), labels[:, 0], predn[:, 5])
-                if task.has_masks:
-                    masks = outputs["det_masks"][si, :len(pred)] if "det_masks" in outputs else \
-                        process_mask(protos[si], pred[:, 6:], pred[:, :4], shape=images[si].shape[1:])
-                    correct_masks = match(mask_iou_overlapped(batch[4][si], len(labels), masks), labels[:, 0],
-                                          predn[:, 5])
-            stats.append((correct, correct_masks, pred[:, 4], pred[:, 5], labels[:, 0]))
-            if keep_predictions:
-                jdict.extend(_coco_json(Path(paths[si]).stem, predn))
-    return stats, jdict, seen, t_infer
+                stats.append((correct, correct_masks, torch.zeros(0), torch.zeros(0), labels[:, 0]))
+            continue
+        predn = pred.clone()
+        scale_boxes(im[si].shape[1:], predn[:, :4], shapes[si][0], shapes[si][1])
+        if len(labels):
+            tbox = xywh2xyxy(labels[:, 1:5])
+            scale_boxes(im[si].shape[1:], tbox, shapes[si][0], shapes[si][1])
+            correct = match(box_iou(tbox, predn[:, :4]), labels[:, 0], predn[:, 5])
+            if task.has_masks:
+                masks = outputs["det_masks"][si, :len(pred)] if "det_masks" in outputs else \
+                    process_mask(protos[si], pred[:, 6:], pred[:, :4], shape=im[si].shape[1:])
+                correct_masks = match(mask_iou_overlapped(batch[4][si], len(labels), masks), labels[:, 0],
+                                      predn[:, 5])
+        stats.append((correct, correct_masks, pred[:, 4], pred[:, 5], labels[:, 0]))
+        if jdict is not None:
+            jdict.extend(_coco_json(Path(paths[si]).stem, predn))
+    return stats
 
 
 def _coco_json(stem: str, predn: torch.Tensor) -> list[dict]:

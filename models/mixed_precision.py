@@ -11,7 +11,8 @@ consistent Q/DQ graph whose float convs TensorRT runs in FP16.
    candidate is used in, models/layer_outputs.py), no evaluation;
 2. measure `measured` of them on select, each alone in float (its cost: select mAP gained): half the ones that
    remove the most error per MAC (the cheap wins), half the ones that remove the most error at all (what a budget
-   out of the cheap ones' reach needs);
+   out of the cheap ones' reach needs); in one pass over select, each candidate's forward again from its first
+   layer (candidate_metrics);
 3. add them, most mAP per MAC first, measuring the growing set, until PTQ is within X of the float model.
 If no set reaches X, the best set found is kept and the report says so. `qat.py sensitive` measures every
 candidate the same way (step 2 over all of them).
@@ -30,10 +31,12 @@ import torch.nn as nn
 from pytorch_quantization import nn as quant_nn
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 
+from models.evaluate import NMSConfig, evaluate_each
 from models.held_state import held
 from models.layer_outputs import LayerOutputs
 from models.quantize import QuantRecipe, quantization_disabled, is_quantized, named_quantizers
 from models.runners import TorchRunner
+from models.task import Task
 from utils.onnx_utils import model_to_onnx
 from utils.qdq_lint import lint, module_of
 
@@ -170,14 +173,31 @@ def int8_mac_share(model: nn.Module, imgsz: int) -> float:
     return int8 / max(sum(macs.values()), 1)
 
 
-def measure_candidates(model: nn.Module, candidates: list[Candidate], score: Callable[[str], float],
-                       baseline: float) -> dict[str, float]:
+def candidate_metrics(model: nn.Module, candidates: list[Candidate], loader, task: Task, nc: int, nms: NMSConfig,
+                      desc: str) -> dict[str, dict]:
+    """Each candidate's metrics over `loader` with it alone in float, in one pass over the images: per batch, one
+    all-INT8 forward keeps its layer outputs and each candidate reruns from the first layer that uses it
+    (models/layer_outputs.py: the layers before compute the same numbers either way); the weights are quantized once
+    for all (none changes). One batch's layer outputs are held at a time."""
+    runner = TorchRunner(model)
+
+    def outputs_of(images: torch.Tensor) -> Iterator[tuple[str, dict]]:
+        passes = LayerOutputs(model, images.to(runner.device))
+        runner.run(lambda: passes.run(0))
+        for c in candidates:
+            with kept_float(model, [c]):
+                outputs = runner.run(lambda: passes.run(passes.first_layer(candidate_quantizers(model, [c])),
+                                                        keep=False))
+            yield c.name, outputs
+    with held(model, weights=True):
+        return evaluate_each(outputs_of, loader, task, nc, nms, desc)
+
+
+def costs_of(candidates: list[Candidate], measure_each: Callable[[list[Candidate]], dict[str, dict]],
+             score: Callable[[dict], float], baseline: float) -> dict[str, float]:
     """Each candidate's cost in INT8: select mAP with it alone in float minus the all-INT8 model's."""
-    costs = {}
-    for c in candidates:
-        with kept_float(model, [c]):
-            costs[c.name] = round(score(f"{c.name.removesuffix('._input_quantizer')} in float") - baseline, 6)
-    return costs
+    metrics = measure_each(candidates)
+    return {c.name: round(score(metrics[c.name]) - baseline, 6) for c in candidates}
 
 
 def shortlist(candidates: list[Candidate], reduction: dict[str, float], n: int) -> list[Candidate]:
@@ -194,11 +214,12 @@ def shortlist(candidates: list[Candidate], reduction: dict[str, float], n: int) 
 
 
 def choose_float_set(model: nn.Module, candidates: list[Candidate], plan: MixedPrecision, origin: float, ptq: float,
-                     measure: Callable[[str], dict], score: Callable[[dict], float],
-                     passes: LayerOutputs) -> tuple[dict, dict | None]:
+                     measure: Callable[[str], dict], measure_each: Callable[[list[Candidate]], dict[str, dict]],
+                     score: Callable[[dict], float], passes: LayerOutputs) -> tuple[dict, dict | None]:
     """The candidates to keep in float (see the module's docstring) and the record of the choice: the budget, the
     candidates measured and their costs, the sets tried, and whether the budget was reached; with the select
-    metrics of the set kept (`measure`'s, already taken: None where nothing is kept)."""
+    metrics of the set kept (`measure`'s, already taken: None where nothing is kept). `measure(desc)`: the model's
+    select metrics as it is; `measure_each(cs)`: each of `cs` alone in float (candidate_metrics)."""
     t0 = time.perf_counter()
     target = origin - plan.max_loss
     record = {"max_loss": plan.max_loss, "origin_select": origin, "all_int8_select": ptq, "candidates": len(candidates)}
@@ -207,7 +228,7 @@ def choose_float_set(model: nn.Module, candidates: list[Candidate], plan: MixedP
                 "seconds": round(time.perf_counter() - t0, 2)}, None
     all_int8_error, errors = rank_by_output_error(passes, model, candidates)
     ranked = shortlist(candidates, {c.name: all_int8_error - errors[c.name] for c in candidates}, plan.measured)
-    costs = measure_candidates(model, ranked, lambda desc: score(measure(desc)), ptq)
+    costs = costs_of(ranked, measure_each, score, ptq)
     gainful = sorted((c for c in ranked if costs[c.name] > 0), key=lambda c: costs[c.name] / c.macs, reverse=True)
     best, chosen, tried = (ptq, [], None), [], []
     for c in gainful:

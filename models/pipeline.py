@@ -40,8 +40,8 @@ from models.evaluate import NMSConfig, evaluate, kept_in_memory, metrics_table, 
 from models.fast_step import STEP_MODES, compiled, plan_step, to_layout
 from models.finetune import FineTuner, QATObjective, QATRecipe, learnable_amax_parameters
 from models.layer_outputs import LayerOutputs
-from models.mixed_precision import (MixedPrecision, choose_float_set, deployment_summary, float_candidates, keep_float,
-                                    measure_candidates)
+from models.mixed_precision import (Candidate, MixedPrecision, candidate_metrics, choose_float_set, costs_of,
+                                    deployment_summary, float_candidates, keep_float)
 from models.quantize import (QuantRecipe, calibrate, collect_statistics, copy_float, is_quantized,
                              named_quantizers, quantize_model, quantizer_counts)
 from models.selection import choose, choose_calibration
@@ -240,6 +240,14 @@ def measure(model: nn.Module, inputs: Inputs, cfg_nms: NMSConfig, desc: str, spl
     return inputs.task.metrics(m)
 
 
+def measure_each_in_float(model: nn.Module, candidates: list[Candidate], inputs: Inputs, cfg_nms: NMSConfig
+                          ) -> dict[str, dict]:
+    """The task's metrics on the select images with each candidate alone in float (one pass over them)."""
+    desc = f"{len(candidates)} tensor class(es), each alone in float (select)"
+    m = candidate_metrics(model, candidates, inputs.select, inputs.task, int(inputs.data_dict["nc"]), cfg_nms, desc)
+    return {name: inputs.task.metrics(v) for name, v in m.items()}
+
+
 # --------------------------------------------------------------------------------------------------
 # quantize: PTQ, then QAT (or its float control); resumable
 # --------------------------------------------------------------------------------------------------
@@ -381,7 +389,8 @@ class QuantizeRun:
             ptq = ptq or self.measure(model, "PTQ (all INT8)")
             images = next(iter(inputs.select))[0].float().div(255).to(inputs.device)
             record, mixed = choose_float_set(model, candidates, MixedPrecision(cfg.max_loss), task.score(origin),
-                                             task.score(ptq), lambda desc: self.measure(model, desc), task.score,
+                                             task.score(ptq), lambda desc: self.measure(model, desc),
+                                             lambda cs: measure_each_in_float(model, cs, inputs, cfg.nms), task.score,
                                              LayerOutputs(model, images))
         record = world.broadcast(record)
         kept = {c["name"] for c in record["kept_float"]}
@@ -643,8 +652,8 @@ def sensitivity(cfg: RunConfig, out: OutputDir) -> dict:
     task = inputs.task
     baseline = measure(model, inputs, cfg.nms, "PTQ baseline (all INT8)", "select")
     candidates = float_candidates(model, cfg.imgsz)
-    costs = measure_candidates(model, candidates, lambda desc: task.score(measure(model, inputs, cfg.nms, desc,
-                                                                                  "select")), task.score(baseline))
+    costs = costs_of(candidates, lambda cs: measure_each_in_float(model, cs, inputs, cfg.nms), task.score,
+                     task.score(baseline))
     total = sum(c.macs for c in candidates) or 1
     ranked = sorted(({"name": c.name, "layer": int(c.name.split(".")[1]), "convs": list(c.convs),
                       "mac_share": round(c.macs / total, 5), "cost": costs[c.name]} for c in candidates),

@@ -13,6 +13,7 @@ from conftest import IMGSZ, REDUCED_SIZE, TRAINED_T, call_cli, run_cli, start_cl
 from pytorch_quantization import nn as quant_nn
 
 from models.checkpoint import load_float_model, load_quantized_model, save_checkpoint
+from models.evaluate import NMSConfig
 from models.layer_outputs import LayerOutputs
 from models.mixed_precision import (MixedPrecision, candidate_quantizers, choose_float_set, conv_macs, float_candidates,
                                     float_convs, int8_mac_share, keep_float, kept_float)
@@ -114,9 +115,45 @@ def _scored(model, candidates, gains, base):
     return score
 
 
-def _measured(score):
-    """choose_float_set's measure and score from a score of the description: metrics {"ap": score}."""
-    return {"measure": lambda desc: {"ap": score(desc)}, "score": lambda metrics: metrics["ap"]}
+def _measured(model, score):
+    """choose_float_set's measure, measure_each and score from a score of the description: metrics {"ap": score}."""
+    def measure_each(candidates):
+        out = {}
+        for c in candidates:
+            with kept_float(model, [c]):
+                out[c.name] = {"ap": score(c.name)}
+        return out
+    return {"measure": lambda desc: {"ap": score(desc)}, "measure_each": measure_each,
+            "score": lambda metrics: metrics["ap"]}
+
+
+def test_each_candidate_measured_from_its_first_layer_equals_its_own_evaluation(ptq_model, demo_data):
+    """candidate_metrics (one pass over the images, each candidate's forward again from the first layer that uses
+    it, on the all-INT8 pass's outputs before) gives each candidate the metrics of a whole evaluation with it alone
+    in float: the layers before compute the same numbers on the same batch, so equal to the last bit on any CPU."""
+    from models.evaluate import evaluate, val_loader
+    from models.mixed_precision import candidate_metrics
+    from models.runners import TorchRunner
+    from models.task import DETECT
+    from utils.batches import load_data
+    model = copy.deepcopy(ptq_model)
+    data = load_data(demo_data)
+    loader = list(val_loader(DETECT, data, IMGSZ, 4, 0, 8))  # 2 batches
+    candidates = float_candidates(model, IMGSZ)
+    passes = LayerOutputs(model, torch.zeros(1, 3, IMGSZ, IMGSZ))
+    by_layer = {}
+    for c in candidates:  # one in the first layer, one in the head, the ones between spread over the backbone
+        by_layer.setdefault(passes.first_layer(candidate_quantizers(model, [c])), c)
+    chosen = [by_layer[k] for k in sorted(by_layer)][::4] + [by_layer[max(by_layer)]]
+    assert min(by_layer) == 0 and len(chosen) >= 4
+    each = candidate_metrics(model, chosen, loader, DETECT, data["nc"], NMSConfig(), "")
+    all_int8 = evaluate(TorchRunner(model), loader, DETECT, data["nc"])
+    for c in chosen:
+        with kept_float(model, [c]):
+            alone = evaluate(TorchRunner(model), loader, DETECT, data["nc"])
+        assert each[c.name] == {k: alone[k] for k in each[c.name]}, c.name
+    assert any(each[c.name]["ap"] != all_int8["ap"] for c in chosen)  # float there changes the result
+    assert not any(q._disabled for _, q in named_quantizers(model))
 
 
 def test_choose_keeps_the_cheapest_set_that_reaches_the_budget(ptq_model):
@@ -131,20 +168,21 @@ def test_choose_keeps_the_cheapest_set_that_reaches_the_budget(ptq_model):
     gains = [0.004 if c is by_mac[0] else 0.006 if c is by_mac[-1] else -0.001 for c in candidates]
     plan = MixedPrecision(max_loss=0.001, measured=4)
     record, mixed = choose_float_set(model, candidates, plan, origin=0.5, ptq=0.495,
-                                     **_measured(_scored(model, candidates, gains, 0.495)), passes=passes)
+                                     **_measured(model, _scored(model, candidates, gains, 0.495)), passes=passes)
     assert record["reached"] and [c["name"] for c in record["kept_float"]] == [by_mac[0].name]
     assert mixed["ap"] == record["mixed_select"]  # the kept set's metrics, as measured while choosing
     assert record["kept_float"][0]["cost"] == pytest.approx(0.004) and record["mixed_select"] == pytest.approx(0.499)
     assert len(record["measured"]) == 4 and not any(model.get_submodule(c.name)._disabled for c in candidates)
     record, mixed = choose_float_set(model, candidates, MixedPrecision(max_loss=0.0, measured=4), origin=0.51,
-                                     ptq=0.495, **_measured(_scored(model, candidates, gains, 0.495)), passes=passes)
+                                     ptq=0.495, **_measured(model, _scored(model, candidates, gains, 0.495)),
+                                     passes=passes)
     assert not record["reached"] and [t["kept_float"] for t in record["tried"]] == [
         [by_mac[0].name], [by_mac[0].name, by_mac[-1].name]]  # only the gainful ones, the most per MAC first
     assert {c["name"] for c in record["kept_float"]} == {by_mac[0].name, by_mac[-1].name}
     assert record["mixed_select"] == pytest.approx(0.505) == mixed["ap"]  # the kept set's metrics
     calls = []
     record, mixed = choose_float_set(model, candidates, plan, origin=0.5, ptq=0.4995,
-                                     **_measured(lambda d: calls.append(d) or 0.0), passes=passes)
+                                     **_measured(model, lambda d: calls.append(d) or 0.0), passes=passes)
     assert record["reached"] and record["kept_float"] == [] and calls == [] and mixed is None
 
 
@@ -173,7 +211,7 @@ def test_only_the_shortlist_is_measured_cheap_wins_and_large_ones_alternately(pt
     want = list(dict.fromkeys(c.name for pair in zip(per_mac, overall) for c in pair))[:4]
     assert want != [c.name for c in per_mac[:4]] and want != [c.name for c in overall[:4]]  # both rankings matter
     record, _ = choose_float_set(model, candidates, MixedPrecision(max_loss=0.001, measured=4), origin=0.5, ptq=0.49,
-                                 **_measured(_scored(model, candidates, [0.0] * 8, 0.49)), passes=Passes())
+                                 **_measured(model, _scored(model, candidates, [0.0] * 8, 0.49)), passes=Passes())
     assert list(record["measured"]) == want
     assert not record["reached"] and record["kept_float"] == []  # nothing gained: nothing kept
 
