@@ -121,6 +121,16 @@ def merge_histograms(states: list[tuple[np.ndarray, float, float]]) -> tuple[np.
 # --------------------------------------------------------------------------------------------------
 # Fine-tuning
 # --------------------------------------------------------------------------------------------------
+def same_on_every_rank(world: World, what: str, value: list) -> None:
+    """Raise on every rank where some rank's `value` differs from rank 0's: a rank training another model (other
+    quantizers on) would average its gradients into the others' without a sign."""
+    values = world.all_gather(value)
+    differ = [rank for rank, v in enumerate(values) if v != values[0]]
+    if differ:
+        raise RuntimeError(f"rank {differ[0]} holds other {what} than rank 0 ({len(values[differ[0]])} against "
+                           f"{len(values[0])}): every rank must train the same model")
+
+
 def data_parallel(student: nn.Module, world: World, device: torch.device) -> nn.Module:
     """The student's forward for training: DistributedDataParallel over the ranks, or the student itself.
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from models.distributed import World, data_parallel, init, shutdown_after, world_from_env
+from models.distributed import World, data_parallel, init, same_on_every_rank, shutdown_after, world_from_env
 from models.checkpoint import copy_checkpoint, load_float_model, load_quantized_model, read_checkpoint, save_checkpoint
 from models.evaluate import NMSConfig, evaluate, kept_in_memory, metrics_table, val_loader
 from models.fast_step import STEP_MODES, compiled, plan_step, to_layout
@@ -445,6 +445,7 @@ class QuantizeRun:
             LOGGER.info(f"{PREFIX}fine-tuning step: {plan.reason}")
         to_layout(model, plan)
         to_layout(teacher, plan)
+        same_on_every_rank(world, "quantizers turned off", sorted(n for n, q in named_quantizers(model) if q._disabled))
         forward = compiled(data_parallel(model, world, inputs.device), plan)
         with QATObjective(cfg.qat, model, teacher, inputs.hyp_dict, forward, compiled(teacher, plan)) as objective:
             tuner = FineTuner(objective, cfg.epochs, iters, amp=inputs.device.type == "cuda", plan=plan)
