@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SHARED, call_cli, end2end_vs_plain, one_box, run_cli, save_float_checkpoint
+from conftest import REPO, SHARED, call_cli, end2end_result, one_box, run_cli, save_float_checkpoint
 
 TRAINED_SEG = REPO / "assets" / "gelan-t-seg-demo.pt"
 SIZE = 320  # the size it was trained at
@@ -128,27 +128,41 @@ def test_fp16_export_for_strongly_typed_engines(seg_run, tmp_path):
     assert lint["dtype"] == "fp16" and lint["fp32_compute"] == [] and lint["unshared_joins"] == []
 
 
-def test_onnxruntime_box_and_mask_map_equal_pytorch(seg_onnx, seg_data):
+@pytest.fixture(scope="module")
+def plain_ort(seg_onnx, seg_data) -> dict:
+    """The plain FP32 graph's box and mask metrics in ONNX Runtime (batch 4), by the one evaluation loop."""
+    from models.evaluate import evaluate, val_loader
+    from models.runners import OnnxRuntimeRunner
+    from models.task import SEGMENT
+    from utils.batches import load_data
+    data = load_data(seg_data)
+    return evaluate(OnnxRuntimeRunner(seg_onnx[1]), val_loader(SEGMENT, data, SIZE, 4, 0), SEGMENT, data["nc"])
+
+
+def test_onnxruntime_box_and_mask_map_equal_pytorch(seg_onnx, plain_ort, seg_data):
     """The same loop (square letterbox, NMS, upstream's mask assembly and matching) over the PyTorch model and over
     ONNX Runtime running its export. As for detection (test_val_trt.py), only the summation order inside the
     convolutions differs, which flips a few INT8 roundings and moves a few boxes (and their masks) by a step: box
     and mask mAP within three boxes of the rarest class (conftest.one_box)."""
     from models.evaluate import evaluate, val_loader
-    from models.runners import OnnxRuntimeRunner, open_runner
+    from models.runners import open_runner
     from models.task import SEGMENT
     from utils.batches import load_data
-    weights, onnx_path, _ = seg_onnx
+    weights, _, _ = seg_onnx
     data = load_data(seg_data)
-    results = [evaluate(runner, val_loader(SEGMENT, data, SIZE, 4, 0), SEGMENT, data["nc"])
-               for runner in (OnnxRuntimeRunner(onnx_path), open_runner(weights, "cpu"))]
-    print("ORT", results[0], "PyTorch", results[1])
-    ours, ref = results
+    ref = evaluate(open_runner(weights, "cpu"), val_loader(SEGMENT, data, SIZE, 4, 0), SEGMENT, data["nc"])
+    ours = plain_ort
+    print("ORT", ours, "PyTorch", ref)
     assert ours["images"] == ref["images"] == 40 and ref["mask_ap50"] > 0.1
     for k in ("ap", "ap50", "mask_ap", "mask_ap50"):
         assert ours[k] == pytest.approx(ref[k], abs=3 * one_box(data)), (k, one_box(data))
 
 
-def test_val_trt_detects_segmentation_and_refuses_what_it_cannot_do(seg_onnx, seg_data, checkout, tmp_path):
+def test_val_trt_detects_segmentation_and_refuses_what_it_cannot_do(seg_onnx, select_data, checkout, tmp_path):
+    """val_trt.sh (export, then ONNX Runtime without TensorRT) on a segmentation model: its mask metrics, on the 10
+    select images (the mask mAP on all 40 is test_onnxruntime_box_and_mask_map_equal_pytorch's); and the
+    refusals."""
+    seg_data = select_data
     weights, onnx_path, _ = seg_onnx
     weights = Path(shutil.copy(weights, tmp_path))  # the script's graph beside it, not over the fixture's
     if shutil.which("trtexec"):  # the script would build an engine: val_trt.py on the ONNX graph alone
@@ -171,13 +185,12 @@ def test_val_trt_detects_segmentation_and_refuses_what_it_cannot_do(seg_onnx, se
     assert not weights.with_name(weights.stem + "-end2end-efficientnms.onnx").exists()
 
 
-def test_end_to_end_graph_gathers_the_kept_masks(seg_onnx, seg_data, tmp_path):
+def test_end_to_end_graph_gathers_the_kept_masks(seg_onnx, plain_ort, seg_data, tmp_path):
     """Segmentation end to end in standard ONNX: NonMaxSuppression's kept (anchor, class) pairs gather their mask
     coefficients, the graph assembles the masks (coefficients x prototypes, cropped to the box, > 0.5), and its box
     and mask mAP in ONNX Runtime equal the plain graph's (exported at the evaluation's thresholds)."""
     from utils.batches import load_data
-    weights, plain, _ = seg_onnx
-    out = end2end_vs_plain(weights, plain, seg_data, SIZE, tmp_path, "--dtype", "fp32")
+    out = {"plain": plain_ort, "e2e": end2end_result(seg_onnx[0], seg_data, SIZE, tmp_path, "--dtype", "fp32")}
     assert out["e2e"]["task"] == "segment" and out["plain"]["mask_ap50"] > 0.1
     # boxes: the same thresholds, but ONNX's NonMaxSuppression and upstream's loop break ties and round IoUs near the
     # threshold each their own way (seen over 40 images: 0.0066 in box mAP, 0.63 of a box); masks: the graph

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SHARED, TRAINED_T, call_cli, end2end_vs_plain, one_box, run_cli
+from conftest import REPO, SHARED, TRAINED_T, call_cli, end2end_result, one_box, run_cli
 
 from models.checkpoint import load_float_model, save_checkpoint
 from models.quantize import QuantRecipe, calibrate, quantize_model
@@ -94,14 +94,21 @@ def test_detections_match_box_for_box(fp32_graph, demo_data320):
     assert parity["detections_counted"] > 50 and parity["detections_matched"] >= 0.97, parity
 
 
-def test_cli_batch_1_and_3_agree_and_qat_eval_equals_val_trt(quantized, demo_data320, tmp_path):
-    weights, onnx_path = quantized
-    results = {}
+@pytest.fixture(scope="module")
+def plain_by_batch(quantized, demo_data320, tmp_path_factory) -> dict[int, dict]:
+    """val_trt.py on the plain (FP16) graph at batch 1 and at batch 3 (40 images: a last batch of one)."""
+    tmp, results = tmp_path_factory.mktemp("plain"), {}
     for batch in (1, 3):
-        r = call_cli("val_trt.py", "--onnx-file", onnx_path, "--data", demo_data320, "--imgsz", SIZE, "--batch-size",
-                     batch, "--workers", 0, "--project", tmp_path, "--name", f"b{batch}")
+        r = call_cli("val_trt.py", "--onnx-file", quantized[1], "--data", demo_data320, "--imgsz", SIZE, "--batch-size",
+                     batch, "--workers", 0, "--project", tmp, "--name", f"b{batch}")
         assert r.returncode == 0, r.stderr[-3000:]
-        results[batch] = json.loads((tmp_path / f"b{batch}" / "val_trt.json").read_text())
+        results[batch] = json.loads((tmp / f"b{batch}" / "val_trt.json").read_text())
+    return results
+
+
+def test_cli_batch_1_and_3_agree_and_qat_eval_equals_val_trt(quantized, plain_by_batch, demo_data320, tmp_path):
+    weights, onnx_path = quantized
+    results = plain_by_batch
     assert results[1]["backend"] == "onnxruntime" and results[1]["images"] == 40
     # Batched convolutions sum in another order, which flips a few INT8 roundings: mAP equal within two boxes of the
     # rarest class, the F1 at the peak within 0.025 (see test_onnxruntime_backend_equals_pytorch)
@@ -205,12 +212,13 @@ def test_tensorrt_engine_matches_onnxruntime(quantized, demo_data320, tmp_path):
     assert out["trt"]["ap"] == pytest.approx(out["ort"]["ap"], abs=3 * one_box(load_data(demo_data320)))
 
 
-def test_end_to_end_graph_scores_like_the_plain_graph(quantized, demo_data320, tmp_path):
+def test_end_to_end_graph_scores_like_the_plain_graph(quantized, plain_by_batch, demo_data320, tmp_path):
     """NMS inside the graph (standard ONNX NonMaxSuppression), exported at the evaluation's thresholds, measured by
-    the same loop as the plain graph: the same mAP (NonMaxSuppression and upstream's NMS keep the same boxes, up to
-    ties), and the thresholds it was built with reported; other thresholds than the loop's are warned about."""
-    weights, plain = quantized
-    out = end2end_vs_plain(weights, plain, demo_data320, SIZE, tmp_path)
+    the same loop as the plain graph (both at batch 3): the same mAP (NonMaxSuppression and upstream's NMS keep the
+    same boxes, up to ties), and the thresholds it was built with reported; other thresholds than the loop's are
+    warned about."""
+    weights, _ = quantized
+    out = {"plain": plain_by_batch[3], "e2e": end2end_result(weights, demo_data320, SIZE, tmp_path, batch=3)}
     assert out["plain"]["ap50"] > 0.1
     assert out["e2e"]["nms_in_graph"] == {"conf_thres": 0.001, "iou_thres": 0.7, "max_det": 300.0}
     for k in ("ap", "ap50"):  # the same boxes up to ties: within two boxes of the rarest class
