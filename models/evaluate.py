@@ -252,7 +252,11 @@ def evaluate_each(outputs_of: Callable[[torch.Tensor], Iterator[tuple[str, dict]
     stats: dict[str, list] = {}
     seen = 0
     for batch in _progress(loader, desc):
+        named = set()
         for name, outputs in outputs_of(batch[0].float() / 255):
+            if name in named:  # its statistics would count this batch twice
+                raise ValueError(f"evaluate_each: variant {name!r} given twice for one batch")
+            named.add(name)
             stats.setdefault(name, []).extend(_batch_stats(outputs, batch, task, nms, None))
         seen += len(batch[0])
     return {name: {**_summaries(s, task, nc), "images": seen} for name, s in stats.items()}

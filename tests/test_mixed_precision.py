@@ -144,7 +144,8 @@ def test_each_candidate_measured_from_its_first_layer_equals_its_own_evaluation(
     by_layer = {}
     for c in candidates:  # one in the first layer, one in the head, the ones between spread over the backbone
         by_layer.setdefault(passes.first_layer(candidate_quantizers(model, [c])), c)
-    chosen = [by_layer[k] for k in sorted(by_layer)][::4] + [by_layer[max(by_layer)]]
+    layers = sorted(by_layer)
+    chosen = [by_layer[k] for k in sorted(set(layers[::4]) | {layers[-1]})]
     assert min(by_layer) == 0 and len(chosen) >= 4
     each = candidate_metrics(model, chosen, loader, DETECT, data["nc"], NMSConfig(), "")
     all_int8 = evaluate(TorchRunner(model), loader, DETECT, data["nc"])
