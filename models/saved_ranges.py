@@ -85,10 +85,10 @@ def apply_ranges(model: nn.Module, ranges: dict[str, np.ndarray], meta: dict, pa
             q.enable()
 
 
-def rebuild_ptq(float_model: nn.Module, path: str | Path, imgsz: int = 64) -> tuple[nn.Module, dict]:
+def rebuild_ptq(float_model: nn.Module, path: str | Path) -> tuple[nn.Module, dict]:
     """`float_model` (fused, in place) quantized by the file's recipe and set to its ranges; and the file's meta."""
     ranges, meta = read_ranges(path)
-    model = quantize_model(float_model, recipe_from_dict(meta["recipe"]), imgsz)
+    model = quantize_model(float_model, recipe_from_dict(meta["recipe"]))  # as qat.py quantizes
     calibrate_weights(model)  # the weight quantizers' shapes (and values, replaced by the file's)
     apply_ranges(model, ranges, meta, path)
     return model.eval(), meta

@@ -375,7 +375,7 @@ class ModelBench:
                 raise RuntimeError(f"--add-ort: seed {s}: {path} keeps no ranges for it (--add-ranges first)")
             t0 = time.perf_counter()
             try:
-                model, meta = rebuild_ptq(load_float_model(self.weights), path.parent / kept["file"], b.imgsz)
+                model, meta = rebuild_ptq(load_float_model(self.weights), path.parent / kept["file"])
             except ValueError as e:  # not a ranges file, or ranges of another model
                 raise RuntimeError(f"--add-ort: {e}") from None
             if (meta["calibration_sample"], meta["weights_sha256"]) != (kept["calibration_sample"],
