@@ -275,32 +275,131 @@ class ModelBench:
         lint = deployed["lint"] if deployed else lint_summary(export(ours, "fp32", self.bench))
         entry["ours_lint"] = {"graph": "delivered" if "qat" in entry else f"ptq-{entry['ptq_choice']}", **lint}
 
-    def add_peer(self) -> dict:
-        """Model Optimizer's PTQ added to this model's existing entry, whose run folders may be gone: each seed's
-        calibration images drawn again by qat.py's own sampler (no image read) and checked against the digest the
-        entry recorded; the entry's provenance gains where and by what this ran."""
+    def existing_entry(self, flag: str, all_seeds: bool) -> tuple[Path, dict]:
+        """This model's entry, for a step added to it later (its run folders may be gone): checked to be made from
+        these weights, this split and these settings (--seeds: the entry's, or with `all_seeds` False some of
+        them)."""
         b = self.bench
         path = b.out / b.dataset / self.name / "entry.json"
         if not path.is_file():
-            raise RuntimeError(f"--add-peer: {path} not found: run the benchmark first")
+            raise RuntimeError(f"{flag}: {path} not found: run the benchmark first")
         entry = json.loads(path.read_text())
         prov, settings = entry["provenance"], entry["settings"]
         if sha256(self.weights) != prov["weights_sha256"]:
-            raise RuntimeError(f"--add-peer: --models {self.name}={self.weights} is not the model of {path}")
+            raise RuntimeError(f"{flag}: --models {self.name}={self.weights} is not the model of {path}")
         if yaml_split(self.split)["fingerprint"] != prov["split"]["fingerprint"]:
-            raise RuntimeError(f"--add-peer: --data {b.data} splits into other images than {path} records")
-        given = {"seeds": list(b.seeds), "imgsz": b.imgsz, "batch_size": b.batch_size, "calib_batches": b.calib_batches}
-        made = {"seeds": prov["seeds"], **{k: settings[k] for k in ("imgsz", "batch_size", "calib_batches")}}
+            raise RuntimeError(f"{flag}: --data {b.data} splits into other images than {path} records")
+        given = {"imgsz": b.imgsz, "batch_size": b.batch_size, "calib_batches": b.calib_batches}
+        made = {k: settings[k] for k in given}
         if given != made:
-            raise RuntimeError(f"--add-peer: the entry was made with {made}, this command gives {given}")
+            raise RuntimeError(f"{flag}: the entry was made with {made}, this command gives {given}")
+        fits = list(b.seeds) == prov["seeds"] if all_seeds else set(b.seeds) <= set(prov["seeds"])
+        if not fits:
+            raise RuntimeError(f"{flag}: --seeds {' '.join(map(str, b.seeds))}: the entry's seeds are "
+                               f"{' '.join(map(str, prov['seeds']))}")
+        return path, entry
+
+    def add_peer(self) -> dict:
+        """Model Optimizer's PTQ added to this model's existing entry: each seed's calibration images drawn again
+        by qat.py's own sampler (no image read) and checked against the digest the entry recorded; the entry's
+        provenance gains where and by what this ran."""
+        path, entry = self.existing_entry("--add-peer", all_seeds=True)
         from models.checkpoint import load_float_model
         from models.task import task_of
         task = task_of(load_float_model(str(self.weights), "cpu"))  # once: the sampler only needs the task's loader
         samples = {str(s): self._calibration_sample(task, s,
                                                     entry["ptq"][entry["ptq_choice"]][str(s)]["calibration_sample"])
-                   for s in b.seeds}
+                   for s in self.bench.seeds}
         self.add_modelopt(entry, samples)
-        prov["peer"] = {"commit": toolkit_commit(), "command": command_line(), "machine": machine()}
+        entry["provenance"]["peer"] = {"commit": toolkit_commit(), "command": command_line(), "machine": machine()}
+        entry["summary"] = summarize(entry)
+        write_json(path, entry)
+        return entry
+
+    def auto_method(self, entry: dict, seed: int) -> str:
+        """The calibration `auto` delivered for `seed` (the PTQ stage of the default command)."""
+        return entry["qat"][str(seed)]["auto"]["chosen"] if "qat" in entry else entry["ptq_choice"]
+
+    def keep_ranges(self, seed: int, report: dict, weights_sha256: str) -> dict:
+        """The ranges of a run's PTQ model (auto's candidate) saved beside the entry (models/saved_ranges.py): a
+        later --add-ort rebuilds the model from them; the entry's record of them."""
+        from models.checkpoint import load_quantized_model
+        from models.saved_ranges import recipe_from_dict, save_ranges
+        method = report["calibration"]["chosen"]
+        sample = sample_id(report["calibration_images"])
+        rel = Path("ranges") / f"seed{seed}.npz"
+        save_ranges(load_quantized_model(report["ptq_file"]), self.bench.out / self.bench.dataset / self.name / rel,
+                    recipe_from_dict(report["config"]["quant"]), seed=seed, method=method,
+                    calibration_sample=sample, weights_sha256=weights_sha256)
+        return {"file": str(rel), "method": method, "calibration_sample": sample}
+
+    def add_ranges(self) -> dict:
+        """Each --seeds seed's PTQ calibration made again as the entry's run made it (qat.py with the method `auto`
+        chose for that seed: the same statistics give the same ranges; the same images, digest checked), its ranges
+        kept beside the entry, and the model's select and val mAP against the entry's figures for that seed."""
+        b = self.bench
+        path, entry = self.existing_entry("--add-ranges", all_seeds=False)
+        kept = entry.setdefault("ranges", {})
+        for s in b.seeds:
+            method = self.auto_method(entry, s)
+            folder = f"ranges-{method}-seed{s}"
+            r = self.quantize(folder, s, ["--epochs", "0", "--calib-method", method], b.seeds.index(s))
+            want = entry["ptq"][method][str(s)]
+            if sample_id(r["calibration_images"]) != want["calibration_sample"]:
+                raise RuntimeError(f"--add-ranges: seed {s}: the run calibrated on other images than the entry's "
+                                   f"({sample_id(r['calibration_images'])}, the entry {want['calibration_sample']})")
+            val = measure(Path(r["ptq_file"]), self.report_yaml, self.work / folder / "val", b)
+            select = {k: r["ptq"][k] for k in ("ap", "ap50", "precision", "recall")}
+            kept[str(s)] = {**self.keep_ranges(s, r, entry["provenance"]["weights_sha256"]), "select": select,
+                            "val": val,
+                            "vs_entry": {"select": round(select["ap"] - want["select"]["ap"], 5),
+                                         "val": round(val["ap"] - want["val"]["ap"], 5)},
+                            "ran_on": step_devices(self.work / folder), "commit": toolkit_commit()}
+        entry["summary"] = summarize(entry)
+        write_json(path, entry)
+        return entry
+
+    def add_ort(self) -> dict:
+        """For each --seeds seed whose ranges the entry keeps: the PTQ model rebuilt from the float weights and the
+        ranges (the entry's weights and calibration sample, checked), measured on val in PyTorch and as the FP32 and
+        FP16 Q/DQ graphs, plain and end to end, each linted and run in ONNX Runtime; where and how long."""
+        import time
+        from models.checkpoint import load_float_model, save_checkpoint
+        from models.saved_ranges import rebuild_ptq
+        b = self.bench
+        path, entry = self.existing_entry("--add-ort", all_seeds=False)
+        rows = entry.setdefault("ort_ptq", {})
+        for s in b.seeds:
+            kept = entry.get("ranges", {}).get(str(s))
+            if kept is None:
+                raise RuntimeError(f"--add-ort: seed {s}: {path} keeps no ranges for it (--add-ranges first)")
+            t0 = time.perf_counter()
+            try:
+                model, meta = rebuild_ptq(load_float_model(self.weights), path.parent / kept["file"])
+            except ValueError as e:  # not a ranges file, or ranges of another model
+                raise RuntimeError(f"--add-ort: {e}") from None
+            if (meta["calibration_sample"], meta["weights_sha256"]) != (kept["calibration_sample"],
+                                                                        entry["provenance"]["weights_sha256"]):
+                raise RuntimeError(f"--add-ort: {path.parent / kept['file']} was not calibrated for this entry's "
+                                   f"seed {s} (its calibration sample or float weights differ)")
+            folder = self.work / f"ort-ranges-seed{s}"
+            weights = save_checkpoint(model, folder / f"{self.name}-ptq-{kept['method']}-seed{s}.pt")
+            graphs = [(dtype, e2e) for dtype in ("fp32", "fp16") for e2e in (False, True)]
+
+            def one(graph, weights=weights, folder=folder):
+                dtype, e2e = graph
+                t = time.perf_counter()
+                onnx_file = export(weights, dtype, b, end2end=e2e)
+                result = {"val": measure(onnx_file, self.report_yaml, folder / onnx_file.stem, b),
+                          "lint": lint_summary(onnx_file)}
+                return {**result, "seconds": round(time.perf_counter() - t, 1)}
+            pytorch = measure(weights, self.report_yaml, folder / "pytorch", b)
+            with self.pool() as pool:
+                measured = dict(zip(graphs, pool.map(one, graphs)))
+            rows[str(s)] = {"method": kept["method"], "pytorch": pytorch,
+                            **{f"{d}{'_e2e' if e else ''}": r for (d, e), r in measured.items()},
+                            "machine": machine(), "jobs": b.jobs, "wall_s": round(time.perf_counter() - t0, 1),
+                            "commit": toolkit_commit()}
         entry["summary"] = summarize(entry)
         write_json(path, entry)
         return entry
@@ -347,6 +446,8 @@ class ModelBench:
                      "settings": self.settings(), "fp": fp.result(),
                      "ptq": {m: {s: public(r) for s, r in runs.items()} for m, runs in ptq.items()},
                      "ptq_choice": choice, "not_run": list(skip)}
+            entry["ranges"] = {s: self.keep_ranges(int(s), r, entry["provenance"]["weights_sha256"])
+                               for s, r in reports.items()}
             ours = Path(ptq[choice][str(b.seeds[0])]["file"])  # the deployed graph of our best stage
             if qat:
                 entry["qat"] = {s: public(r) for s, r in qat.items()}
@@ -411,6 +512,10 @@ def parse_opt(argv=None):
     p.add_argument("--add-peer", action="store_true",
                    help="only add Model Optimizer's PTQ to each model's existing entry (its run folders may be gone): "
                         "the entry's command with --add-peer")
+    p.add_argument("--add-ranges", action="store_true",
+                   help="only calibrate --seeds again as each model's entry did and keep the ranges beside it")
+    p.add_argument("--add-ort", action="store_true",
+                   help="only add ONNX Runtime rows of the PTQ models rebuilt from the ranges an entry keeps")
     p.add_argument("--max-loss", type=float, default=None,
                    help="also run the default command with this mixed-precision budget (qat.py quantize --max-loss)")
     p.add_argument("--ablation", nargs="*", choices=sorted(ABLATION), default=None, metavar="VARIANT",
@@ -436,6 +541,8 @@ def parse_opt(argv=None):
     if (opt.modelopt or opt.add_peer) and importlib.util.find_spec("modelopt") is None:
         p.error(f"{'--add-peer' if opt.add_peer else '--modelopt'}: nvidia-modelopt is not installed "
                 "(./install_dependencies.sh --modelopt)")
+    if sum((opt.add_peer, opt.add_ranges, opt.add_ort)) > 1:
+        p.error("--add-peer, --add-ranges and --add-ort: one at a time")
     if opt.check and not opt.render:
         p.error("--check goes with --render")
     return opt
@@ -461,7 +568,8 @@ def main(argv=None) -> int:
     for name, weights in opt.models.items():
         try:
             model = ModelBench(bench, name, Path(weights))
-            entry = model.add_peer() if opt.add_peer else model.run(ablation)
+            entry = model.add_peer() if opt.add_peer else model.add_ranges() if opt.add_ranges else \
+                model.add_ort() if opt.add_ort else model.run(ablation)
         except RuntimeError as e:  # a step that failed (its log's tail), or a folder of another run: no traceback
             print(f"benchmark_accuracy: error: {e}", file=sys.stderr)
             return 1

@@ -273,6 +273,51 @@ def test_benchmark_peer_calibrates_on_our_images_and_is_added_to_an_entry_later(
         entry.write_text(json.dumps(e))
 
 
+def test_benchmark_keeps_auto_ranges_and_rebuilds_the_ptq_graphs_from_them_later(bench_run, demo_data):
+    """Each seed's ranges of the calibration `auto` delivered are kept beside the entry; with the run folders gone,
+    --add-ort --seeds 1 rebuilds that PTQ model from the float weights and the ranges alone: in PyTorch the very
+    model the run measured (the same weights and ranges, measured with the same threads: the same mAP to the last
+    digit), and its FP32 and FP16 graphs, plain and end to end, lint-clean and within ONNX Runtime's tolerance of
+    it (three boxes of the rarest class: conftest.one_box; the end-to-end graphs decide NMS ties their own way).
+    Ranges that are not the entry's are refused in one line."""
+    from conftest import one_box
+
+    from utils.batches import load_data
+    tmp, args, e, _ = bench_run
+    out, work = tmp / "results", tmp / "work"
+    folder = out / "demo" / "gelan-t"
+    for seed in ("0", "1"):
+        kept, method = e["ranges"][seed], e["qat"][seed]["auto"]["chosen"]
+        assert kept["method"] == method and (folder / kept["file"]).is_file()
+        assert kept["calibration_sample"] == e["ptq"][method][seed]["calibration_sample"]
+    entry = folder / "entry.json"
+    one = [str(a) for a in args[:args.index("--seeds")]] + ["--seeds", "1"] + \
+        [str(a) for a in args[args.index("--methods"):] if a != "--modelopt"]
+    gone = tmp / "gone-ranges"
+    shutil.move(work / "demo" / "gelan-t", gone)
+    ranges, table = folder / e["ranges"]["1"]["file"], out / "accuracy.md"
+    kept_bytes, kept_table = ranges.read_bytes(), table.read_text()
+    try:
+        r = run_cli("scripts/benchmark_accuracy.py", *one, "--add-ort")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        row = json.loads(entry.read_text())["ort_ptq"]["1"]
+        assert row["pytorch"] == e["ptq"][row["method"]]["1"]["val"]
+        tolerance = 3 * one_box(load_data(demo_data))
+        for graph in ("fp32", "fp32_e2e", "fp16", "fp16_e2e"):
+            assert row[graph]["lint"]["unshared_joins"] == 0 == row[graph]["lint"]["unquantized_convs"], graph
+            assert row[graph]["val"]["ap"] == pytest.approx(row["pytorch"]["ap"], abs=tolerance), graph
+        assert "PTQ auto rebuilt, FP16 Q/DQ graph with NMS (ONNX) in ONNX Runtime" in table.read_text()
+        ranges.write_bytes(b"not ranges")
+        r = call_cli("scripts/benchmark_accuracy.py", *one, "--add-ort")
+        assert r.returncode == 1 and str(ranges) in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    finally:
+        ranges.write_bytes(kept_bytes)
+        table.write_text(kept_table)
+        shutil.rmtree(work / "demo" / "gelan-t", ignore_errors=True)
+        shutil.move(gone, work / "demo" / "gelan-t")
+        entry.write_text(json.dumps(e))
+
+
 def s_ort_delta(entry: dict) -> float:
     return entry["summary"]["ort_vs_pytorch"]["fp32"]["delta"]
 

@@ -133,17 +133,22 @@ def measure(model: Path, data: Path, out: Path, bench: Bench) -> dict:
     return {k: m[k] for k in ("ap", "ap50", "precision", "recall")}
 
 
-def export(weights: Path, dtype: str, bench: Bench) -> Path:
+def export(weights: Path, dtype: str, bench: Bench, end2end: bool = False) -> Path:
     """The deployable graph of a checkpoint: FP32 (PyTorch's arithmetic, Model Optimizer's input) or FP16 (what
-    TensorRT 11 builds), written beside a copy named after it."""
-    onnx_file = weights.with_name(f"{weights.stem}-{dtype}.onnx")
+    TensorRT 11 builds); with `end2end` NMS inside (standard ONNX NonMaxSuppression, at val_trt.py's evaluation
+    thresholds, so its mAP is comparable). Written beside a copy named after it."""
+    onnx_file = weights.with_name(f"{weights.stem}-{dtype}{'-e2e' if end2end else ''}.onnx")
     if not onnx_file.is_file():
         copy = weights.with_name(onnx_file.stem + ".pt")
         shutil.copyfile(weights, copy)
-        run_step([sys.executable, "export_qat.py", "--weights", str(copy), "--include", "onnx", "--dynamic",
+        include = ["--include", "onnx_end2end", "--nms", "onnx", "--conf-thres", "0.001", "--iou-thres", "0.7",
+                   "--topk-all", "300"] if end2end else ["--include", "onnx"]
+        run_step([sys.executable, "export_qat.py", "--weights", str(copy), *include, "--dynamic",
                   "--imgsz", str(bench.imgsz), "--dtype", dtype, "--exist-ok"], copy.with_suffix(".export.log"),
                  bench.step_env)
         copy.unlink()
+        if end2end:
+            copy.with_name(copy.stem + "-end2end.onnx").rename(onnx_file)
     return onnx_file
 
 

@@ -61,6 +61,12 @@ def summarize(e: dict) -> dict:
         s["ort"] = {d: over(runs, "val") for d, runs in e["ort"].items()}
         s["ort_vs_pytorch"] = {d: difference(v, spread([e["qat"][seed]["val_final"]["ap"] for seed in e["ort"][d]]))
                                for d, v in s["ort"].items()}
+    if "ort_ptq" in e:  # PTQ rebuilt from kept ranges: against the same rebuilt model in PyTorch, seed by seed
+        rows = e["ort_ptq"].values()
+        s["ort_ptq_pytorch"] = spread([r["pytorch"]["ap"] for r in rows])
+        s["ort_ptq"] = {g: spread([r[g]["val"]["ap"] for r in rows]) for g in ORT_GRAPHS}
+        s["ort_ptq_vs_pytorch_max"] = {g: round(max(abs(r[g]["val"]["ap"] - r["pytorch"]["ap"]) for r in rows), 5)
+                                       for g in ORT_GRAPHS}
     if PER_QUANTIZER in e["ptq"] and len(e["ptq"]) > 1:
         s["global_auto_choices"] = global_auto_choices(e)
         s["global_auto"] = spread([e["ptq"][m][seed]["val"]["ap"] for seed, m in s["global_auto_choices"].items()])
@@ -76,6 +82,11 @@ def summarize(e: dict) -> dict:
         if "qat" in e:
             s["qat_vs_modelopt"] = difference(s["qat_best"], peer)
     return s
+
+
+ORT_GRAPHS = ("fp32", "fp32_e2e", "fp16", "fp16_e2e")  # the keys of an entry's ort_ptq rows
+GRAPH_NAMES = {"fp32": "FP32 Q/DQ graph", "fp32_e2e": "FP32 Q/DQ graph with NMS (ONNX)",
+               "fp16": "FP16 Q/DQ graph (TensorRT 11's)", "fp16_e2e": "FP16 Q/DQ graph with NMS (ONNX)"}
 
 
 def same_calibration_sample(e: dict) -> bool:
@@ -138,7 +149,13 @@ def model_table(e: dict) -> str:
                      f"conv MACs {fmt(s['mixed_int8_share'])})", s["mixed"], ""))
     for dtype, name in (("fp32", "QAT, FP32 Q/DQ graph in ONNX Runtime"),
                         ("fp16", "QAT, FP16 Q/DQ graph in ONNX Runtime (TensorRT 11's)")):
-        rows.append((name, s.get("ort", {}).get(dtype), "" if "ort" in s else not_run))
+        why = not_run + ("; the QAT weights are not kept with the entry: the rebuilt PTQ rows below are not them"
+                         if "ort_ptq" in s else "")
+        rows.append((name, s.get("ort", {}).get(dtype), "" if "ort" in s else why))
+    if "ort_ptq" in s:
+        seeds_of = ", ".join(f"seed {k}: {r['method']}" for k, r in e["ort_ptq"].items())
+        rows.append((f"PTQ auto rebuilt from its kept ranges ({seeds_of}), PyTorch", s["ort_ptq_pytorch"], ""))
+        rows += [(f"PTQ auto rebuilt, {GRAPH_NAMES[g]} in ONNX Runtime", s["ort_ptq"][g], "") for g in ORT_GRAPHS]
     for m, v in s.get("modelopt", {}).items():
         chosen = " (chosen on select)" if m == e.get("modelopt_choice") else ""
         rows.append((f"Model Optimizer ONNX PTQ {m}{chosen}", v,
@@ -166,6 +183,8 @@ def model_table(e: dict) -> str:
     if "ort_vs_pytorch" in s:
         lines.append("- Deployed graphs - PyTorch: " + ", ".join(f"{d} {fmt_difference(v)}"
                                                                   for d, v in s["ort_vs_pytorch"].items()))
+    if "ort_ptq" in s:
+        lines.append("- " + ort_ptq_line(e, s))
     if "modelopt" in s:
         ours = "QAT" if "qat_vs_modelopt" in s else "Best PTQ"
         lint = e["modelopt"][e["modelopt_choice"]][str(e["provenance"]["seeds"][0])]["lint"]
@@ -173,6 +192,19 @@ def model_table(e: dict) -> str:
                      f"{fmt_difference(s.get('qat_vs_modelopt') or s['ptq_vs_modelopt'])}; unshared-scale joins: "
                      f"ours {e['ours_lint']['unshared_joins']}, Model Optimizer {lint['unshared_joins']}")
     return "\n".join(lines)
+
+
+def ort_ptq_line(e: dict, s: dict) -> str:
+    """Where the rebuilt PTQ graphs ran, how long, their lint, and ONNX Runtime against PyTorch."""
+    runs = e["ort_ptq"].values()
+    lint = [r[g]["lint"] for r in runs for g in ORT_GRAPHS]
+    where = "; ".join(f"seed {k} on the CPU ({r['machine']['cpu']}, {r['machine']['cpu_count']} cores"
+                      f"{' of the ' + r['machine']['gpu'] + ' machine' if r['machine']['gpu'] else ''}, "
+                      f"{r['wall_s']:.0f} s)" for k, r in e["ort_ptq"].items())
+    worst = ", ".join(f"{g} {v:.4f}" for g, v in s["ort_ptq_vs_pytorch_max"].items())
+    return (f"Rebuilt PTQ graphs ({where}): unshared-scale joins {sum(x['unshared_joins'] for x in lint)}, "
+            f"unquantized convs {sum(x['unquantized_convs'] for x in lint)} over {len(lint)} graphs; "
+            f"|ONNX Runtime - PyTorch| per seed at most: {worst}")
 
 
 def _where(machine: dict) -> str:
