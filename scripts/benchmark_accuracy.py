@@ -345,10 +345,10 @@ class ModelBench:
             folder = f"ranges-{method}-seed{s}"
             r = self.quantize(folder, s, ["--epochs", "0", "--calib-method", method], b.seeds.index(s))
             # the seed's one calibration sample (every method's row records it) and what auto's model measured
-            want = {"calibration_sample": next(iter(entry["ptq"].values()))[str(s)]["calibration_sample"],
-                    "select": {"ap": entry["qat"][str(s)]["auto"]["candidates"][method]} if "qat" in entry else
-                    entry["ptq"][method][str(s)]["select"],
-                    "val": entry["qat"][str(s)]["auto"]["val"] if "qat" in entry else entry["ptq"][method][str(s)]["val"]}
+            ptq, auto = entry["ptq"], entry.get("qat", {}).get(str(s), {}).get("auto")
+            want = {"calibration_sample": next(iter(ptq.values()))[str(s)]["calibration_sample"],
+                    "select": {"ap": auto["candidates"][method]} if auto else ptq[method][str(s)]["select"],
+                    "val": auto["val"] if auto else ptq[method][str(s)]["val"]}
             if sample_id(r["calibration_images"]) != want["calibration_sample"]:
                 raise RuntimeError(f"--add-ranges: seed {s}: the run calibrated on other images than the entry's "
                                    f"({sample_id(r['calibration_images'])}, the entry {want['calibration_sample']})")
