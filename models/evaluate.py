@@ -224,8 +224,8 @@ def evaluate(runner, loader, task: Task, nc: int, nms: NMSConfig = NMSConfig(), 
         LOGGER.info(colorstr("eval: ") + desc)
     fixed_batch = runner.input_shape[0]
     stats, jdict, seen, t_infer = [], [] if keep_predictions else None, 0, 0.0
-    with getattr(runner, "held", contextlib.nullcontext)():
-        for batch in _progress(loader, desc):
+    with getattr(runner, "held", contextlib.nullcontext)(), _progress(loader, desc) as batches:
+        for batch in batches:
             images = batch[0].float() / 255
             nb = len(images)
             if fixed_batch and nb < fixed_batch:  # an engine of fixed batch takes full batches only
@@ -251,18 +251,21 @@ def evaluate_each(outputs_of: Callable[[torch.Tensor], Iterator[tuple[str, dict]
         LOGGER.info(colorstr("eval: ") + desc)
     stats: dict[str, list] = {}
     seen = 0
-    for batch in _progress(loader, desc):
-        named = set()
-        for name, outputs in outputs_of(batch[0].float() / 255):
-            if name in named:  # its statistics would count this batch twice
-                raise ValueError(f"evaluate_each: variant {name!r} given twice for one batch")
-            named.add(name)
-            stats.setdefault(name, []).extend(_batch_stats(outputs, batch, task, nms, None))
-        seen += len(batch[0])
+    with _progress(loader, desc) as batches:
+        for batch in batches:
+            named = set()
+            for name, outputs in outputs_of(batch[0].float() / 255):
+                if name in named:  # its statistics would count this batch twice
+                    raise ValueError(f"evaluate_each: variant {name!r} given twice for one batch")
+                named.add(name)
+                stats.setdefault(name, []).extend(_batch_stats(outputs, batch, task, nms, None))
+            seen += len(batch[0])
     return {name: {**_summaries(s, task, nc), "images": seen} for name, s in stats.items()}
 
 
-def _progress(loader, desc: str):
+def _progress(loader, desc: str) -> tqdm:
+    """The loader behind a bar; used as a context manager, so an interrupted loop closes it in place (a bar left to
+    its __del__ at interpreter exit printed a traceback after Ctrl-C)."""
     return tqdm(loader, desc=colorstr("eval: ") + (desc or "evaluating"), bar_format=TQDM_BAR_FORMAT, leave=False)
 
 
