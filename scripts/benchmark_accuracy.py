@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -264,16 +265,24 @@ class ModelBench:
         return {m: {str(s): runs[(m, s)] for s in b.seeds} for m in MODELOPT_METHODS}
 
     def add_modelopt(self, entry: dict, samples: dict[str, list[str]], ours: Path | None = None) -> None:
-        """The peer's rows in `entry`, its choice on select, and the lint of our deployed graph beside its own (the
-        first seed's: its FP32 graph's, linted when measured, else exported from `ours`)."""
-        peer = self.modelopt(samples)
-        entry["modelopt"] = peer
-        entry["modelopt_choice"] = max(peer, key=lambda m: spread([r["select"]["ap"] for r in peer[m].values()])["mean"])
-        deployed = entry.get("ort", {}).get("fp32", {}).get(str(self.bench.seeds[0]))
-        if deployed is None and ours is None:
-            raise RuntimeError(f"{self.name}: the entry has no deployed graph of seed {self.bench.seeds[0]} to lint")
-        lint = deployed["lint"] if deployed else lint_summary(export(ours, "fp32", self.bench))
-        entry["ours_lint"] = {"graph": "delivered" if "qat" in entry else f"ptq-{entry['ptq_choice']}", **lint}
+        """The peer's rows of --seeds in `entry` (beside those of other seeds it has), its choice on select, and the
+        lint of our graph of the peer's first seed beside its own: the delivered FP32 graph's, linted when measured,
+        else the PTQ graph rebuilt from the kept ranges (--add-ort), else one exported from `ours`."""
+        rows = entry.setdefault("modelopt", {})
+        for m, runs in self.modelopt(samples).items():
+            rows[m] = dict(sorted({**rows.get(m, {}), **runs}.items(), key=lambda kv: int(kv[0])))
+        entry["modelopt_choice"] = max(rows, key=lambda m: spread([r["select"]["ap"] for r in rows[m].values()])["mean"])
+        seed = next(iter(rows[entry["modelopt_choice"]]))
+        deployed, rebuilt = entry.get("ort", {}).get("fp32", {}).get(seed), entry.get("ort_ptq", {}).get(seed)
+        if deployed:
+            entry["ours_lint"] = {"graph": "delivered", **deployed["lint"]}
+        elif rebuilt:
+            entry["ours_lint"] = {"graph": f"ptq-{rebuilt['method']} rebuilt from kept ranges", **rebuilt["fp32"]["lint"]}
+        elif ours is not None:
+            entry["ours_lint"] = {"graph": "delivered" if "qat" in entry else f"ptq-{entry['ptq_choice']}",
+                                  **lint_summary(export(ours, "fp32", self.bench))}
+        else:
+            raise RuntimeError(f"{self.name}: the entry has no graph of seed {seed} to lint: --add-ort first")
 
     def existing_entry(self, flag: str, all_seeds: bool) -> tuple[Path, dict]:
         """This model's entry, for a step added to it later (its run folders may be gone): checked to be made from
@@ -302,8 +311,9 @@ class ModelBench:
     def add_peer(self) -> dict:
         """Model Optimizer's PTQ added to this model's existing entry: each seed's calibration images drawn again
         by qat.py's own sampler (no image read) and checked against the digest the entry recorded; the entry's
-        provenance gains where and by what this ran."""
-        path, entry = self.existing_entry("--add-peer", all_seeds=True)
+        provenance gains where and by what this ran. --seeds may be some of the entry's (the peer is compared with
+        ours on the same seeds)."""
+        path, entry = self.existing_entry("--add-peer", all_seeds=False)
         from models.checkpoint import load_float_model
         from models.task import task_of
         task = task_of(load_float_model(str(self.weights), "cpu"))  # once: the sampler only needs the task's loader
@@ -567,7 +577,8 @@ def main(argv=None) -> int:
     bench = Bench(opt.dataset, str(Path(opt.data).resolve()), opt.imgsz, opt.device, opt.batch_size, opt.workers,
                   tuple(opt.seeds), tuple(opt.methods), opt.qat_epochs, opt.iters, opt.calib_batches,
                   tuple(shlex.split(opt.qat_args)), opt.modelopt, tuple(opt.skip), opt.jobs,
-                  opt.ort_seeds or len(opt.seeds), opt.work.resolve(), opt.out.resolve(), opt.max_loss, opt.cache)
+                  opt.ort_seeds or len(opt.seeds), opt.work.resolve(), opt.out.resolve(), opt.max_loss, opt.cache,
+                  os.environ.get("OMP_NUM_THREADS"))
     ablation = () if opt.ablation is None else tuple(opt.ablation) or tuple(ABLATION)
     for name, weights in opt.models.items():
         try:

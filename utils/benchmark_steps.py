@@ -41,6 +41,9 @@ class Bench:
     out: Path
     max_loss: float | None = None
     cache: str | None = None
+    # the caller's OMP_NUM_THREADS, read before anything imports upstream's utils.general: that import sets it to
+    # min(8, cores - 1) in os.environ, which every step would inherit
+    threads: str | None = None
 
     def device_for(self, slot: int) -> str:
         """--device 0,1,...: the device of run `slot` (a run is one process on one device; the runs going side by
@@ -50,12 +53,14 @@ class Bench:
 
     @property
     def step_env(self) -> dict[str, str]:
-        """Each step's environment: with several jobs at a time, each gets its share of the CPUs for its math
-        threads (more OpenMP threads than cores spin against each other: two jobs of two threads on two cores ran
-        auto's range computations 20x slower). A thread count the caller set is kept."""
+        """Each step's environment: the thread count the caller set, else with several jobs at a time each job's
+        share of the CPUs for its math threads (more OpenMP threads than cores spin against each other: two jobs of
+        two threads on two cores ran auto's range computations 20x slower)."""
         env = dict(os.environ)
-        if self.jobs > 1:
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.jobs)))
+        if self.threads:
+            env["OMP_NUM_THREADS"] = self.threads
+        elif self.jobs > 1:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.jobs))
         return env
 
     def env_for(self, device: str) -> dict[str, str]:

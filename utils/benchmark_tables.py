@@ -75,12 +75,13 @@ def summarize(e: dict) -> dict:
         s["auto_with_per_quantizer"] = spread([e["ptq"][PER_QUANTIZER if seed in s["per_quantizer_won"] else m][seed]
                                                ["val"]["ap"] for seed, m in s["global_auto_choices"].items()])
         s["auto_with_vs_without_per_quantizer"] = difference(s["auto_with_per_quantizer"], s["global_auto"])
-    if "modelopt" in e:
+    if "modelopt" in e:  # the peer may have run on some of the entry's seeds: ours on the same ones
         s["modelopt"] = {m: over(runs, "val") for m, runs in e["modelopt"].items()}
-        peer = s["modelopt"][e["modelopt_choice"]]
-        s["ptq_vs_modelopt"] = difference(best_ptq, peer)
+        peer, peer_seeds = s["modelopt"][e["modelopt_choice"]], list(e["modelopt"][e["modelopt_choice"]])
+        on_peer_seeds = lambda runs: {k: runs[k] for k in peer_seeds}  # noqa: E731
+        s["ptq_vs_modelopt"] = difference(ptq_over(on_peer_seeds(e["ptq"][e["ptq_choice"]]), "val"), peer)
         if "qat" in e:
-            s["qat_vs_modelopt"] = difference(s["qat_best"], peer)
+            s["qat_vs_modelopt"] = difference(over(on_peer_seeds(e["qat"]), "val_best"), peer)
     return s
 
 
@@ -187,10 +188,14 @@ def model_table(e: dict) -> str:
         lines.append("- " + ort_ptq_line(e, s))
     if "modelopt" in s:
         ours = "QAT" if "qat_vs_modelopt" in s else "Best PTQ"
-        lint = e["modelopt"][e["modelopt_choice"]][str(e["provenance"]["seeds"][0])]["lint"]
-        lines.append(f"- {ours} - Model Optimizer ({e['modelopt_choice']}): "
+        peer_rows = e["modelopt"][e["modelopt_choice"]]
+        lint, on = next(iter(peer_rows.values()))["lint"], ""
+        if len(peer_rows) < seeds:
+            on = f" on the same seed{'s' if len(peer_rows) > 1 else ''} ({', '.join(peer_rows)})"
+        lines.append(f"- {ours}{on} - Model Optimizer ({e['modelopt_choice']}): "
                      f"{fmt_difference(s.get('qat_vs_modelopt') or s['ptq_vs_modelopt'])}; unshared-scale joins: "
-                     f"ours {e['ours_lint']['unshared_joins']}, Model Optimizer {lint['unshared_joins']}")
+                     f"ours {e['ours_lint']['unshared_joins']} ({e['ours_lint']['graph']} graph), Model Optimizer "
+                     f"{lint['unshared_joins']}")
     return "\n".join(lines)
 
 
