@@ -271,13 +271,15 @@ class ModelBench:
         rows = entry.setdefault("modelopt", {})
         for m, runs in self.modelopt(samples).items():
             rows[m] = dict(sorted({**rows.get(m, {}), **runs}.items(), key=lambda kv: int(kv[0])))
-        entry["modelopt_choice"] = max(rows, key=lambda m: spread([r["select"]["ap"] for r in rows[m].values()])["mean"])
+        entry["modelopt_choice"] = max(rows, key=lambda m: spread([r["select"]["ap"] for r in rows[m].values()])
+                                       ["mean"])
         seed = next(iter(rows[entry["modelopt_choice"]]))
         deployed, rebuilt = entry.get("ort", {}).get("fp32", {}).get(seed), entry.get("ort_ptq", {}).get(seed)
         if deployed:
             entry["ours_lint"] = {"graph": "delivered", **deployed["lint"]}
         elif rebuilt:
-            entry["ours_lint"] = {"graph": f"ptq-{rebuilt['method']} rebuilt from kept ranges", **rebuilt["fp32"]["lint"]}
+            entry["ours_lint"] = {"graph": f"ptq-{rebuilt['method']} rebuilt from kept ranges",
+                                  **rebuilt["fp32"]["lint"]}
         elif ours is not None:
             entry["ours_lint"] = {"graph": "delivered" if "qat" in entry else f"ptq-{entry['ptq_choice']}",
                                   **lint_summary(export(ours, "fp32", self.bench))}
@@ -570,15 +572,21 @@ def _pairs(parser, items):
         yield name, value
 
 
+def bench_from(opt: argparse.Namespace) -> Bench:
+    """The run's settings; its steps' thread count is the caller's, read now, before the models' loading imports
+    upstream's utils.general (which resets OMP_NUM_THREADS for every process started after it)."""
+    return Bench(opt.dataset, str(Path(opt.data).resolve()), opt.imgsz, opt.device, opt.batch_size, opt.workers,
+                 tuple(opt.seeds), tuple(opt.methods), opt.qat_epochs, opt.iters, opt.calib_batches,
+                 tuple(shlex.split(opt.qat_args)), opt.modelopt, tuple(opt.skip), opt.jobs,
+                 opt.ort_seeds or len(opt.seeds), opt.work.resolve(), opt.out.resolve(), opt.max_loss, opt.cache,
+                 os.environ.get("OMP_NUM_THREADS"))
+
+
 def main(argv=None) -> int:
     opt = parse_opt(argv)
     if opt.render:
         return render(opt.out, opt.check, opt.docs)
-    bench = Bench(opt.dataset, str(Path(opt.data).resolve()), opt.imgsz, opt.device, opt.batch_size, opt.workers,
-                  tuple(opt.seeds), tuple(opt.methods), opt.qat_epochs, opt.iters, opt.calib_batches,
-                  tuple(shlex.split(opt.qat_args)), opt.modelopt, tuple(opt.skip), opt.jobs,
-                  opt.ort_seeds or len(opt.seeds), opt.work.resolve(), opt.out.resolve(), opt.max_loss, opt.cache,
-                  os.environ.get("OMP_NUM_THREADS"))
+    bench = bench_from(opt)
     ablation = () if opt.ablation is None else tuple(opt.ablation) or tuple(ABLATION)
     for name, weights in opt.models.items():
         try:

@@ -333,6 +333,24 @@ def test_benchmark_folders_are_named_by_what_decides_their_numbers():
     assert bench._result_args(args) == ["--weights", "w.pt", "--seed", "1", "--lr", "3e-5"]
 
 
+def test_benchmark_steps_run_with_the_callers_thread_count_not_upstreams(demo_data):
+    """Loading a model imports upstream's utils.general, which sets OMP_NUM_THREADS to min(8, cores - 1) in the
+    process's environment; the benchmark's steps still get the count the caller gave (9: a count upstream never
+    sets), and without one, with two jobs at a time, each its half of the cores."""
+    probe = ("import importlib.util, os, sys; "
+             "spec = importlib.util.spec_from_file_location('ba', 'scripts/benchmark_accuracy.py'); "
+             "m = sys.modules['ba'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+             f"opt = m.parse_opt(['--data', {str(demo_data)!r}, '--jobs', '2']); "
+             "os.environ['OMP_NUM_THREADS'] = '9'; given = m.bench_from(opt); "
+             "del os.environ['OMP_NUM_THREADS']; unset = m.bench_from(opt); import utils.general; "
+             "print(os.environ['OMP_NUM_THREADS'], *(b.step_env['OMP_NUM_THREADS'] for b in (given, unset)))")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=CHECKOUT, text=True, capture_output=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    upstream, given, unset = r.stdout.split()
+    assert upstream == str(min(8, max(1, os.cpu_count() - 1)))  # what every step would otherwise inherit
+    assert given == "9" and unset == str(max(1, os.cpu_count() // 2))
+
+
 def _published_runs(tmp_path, folder: str):
     """A copy of helmet gelan-s's entry with its published `folder` of runs under tmp_path (the tables read an --out
     folder; the folder's own entry.json, the entry made on the runs' machine, is copied as a file), and a function
