@@ -266,25 +266,27 @@ class ModelBench:
 
     def add_modelopt(self, entry: dict, samples: dict[str, list[str]], ours: Path | None = None) -> None:
         """The peer's rows of --seeds in `entry` (beside those of other seeds it has), its choice on select, and the
-        lint of our graph of the peer's first seed beside its own: the delivered FP32 graph's, linted when measured,
-        else the PTQ graph rebuilt from the kept ranges (--add-ort), else one exported from `ours`."""
+        lint of one of our graphs beside its own (the placement of Q/DQ, which the lint counts, is the same for every
+        seed): the delivered FP32 graph, linted when measured, of the peer's first seed if any; else the PTQ graph
+        rebuilt from kept ranges (--add-ort); else one exported from `ours`."""
         rows = entry.setdefault("modelopt", {})
         for m, runs in self.modelopt(samples).items():
             rows[m] = dict(sorted({**rows.get(m, {}), **runs}.items(), key=lambda kv: int(kv[0])))
         entry["modelopt_choice"] = max(rows, key=lambda m: spread([r["select"]["ap"] for r in rows[m].values()])
                                        ["mean"])
-        seed = next(iter(rows[entry["modelopt_choice"]]))
-        deployed, rebuilt = entry.get("ort", {}).get("fp32", {}).get(seed), entry.get("ort_ptq", {}).get(seed)
-        if deployed:
-            entry["ours_lint"] = {"graph": "delivered", **deployed["lint"]}
-        elif rebuilt:
-            entry["ours_lint"] = {"graph": f"ptq-{rebuilt['method']} rebuilt from kept ranges",
-                                  **rebuilt["fp32"]["lint"]}
+        first = next(iter(rows[entry["modelopt_choice"]]))
+        same_seed_first = lambda runs: sorted(runs.items(), key=lambda kv: kv[0] != first)  # noqa: E731
+        linted = [({"graph": "delivered", "seed": int(s)}, r["lint"])
+                  for s, r in same_seed_first(entry.get("ort", {}).get("fp32", {}))] + \
+                 [({"graph": f"ptq-{r['method']} rebuilt from kept ranges", "seed": int(s)}, r["fp32"]["lint"])
+                  for s, r in same_seed_first(entry.get("ort_ptq", {}))]
+        if linted:
+            entry["ours_lint"] = {**linted[0][0], **linted[0][1]}
         elif ours is not None:
             entry["ours_lint"] = {"graph": "delivered" if "qat" in entry else f"ptq-{entry['ptq_choice']}",
-                                  **lint_summary(export(ours, "fp32", self.bench))}
+                                  "seed": self.bench.seeds[0], **lint_summary(export(ours, "fp32", self.bench))}
         else:
-            raise RuntimeError(f"{self.name}: the entry has no graph of seed {seed} to lint: --add-ort first")
+            raise RuntimeError(f"{self.name}: the entry has no graph of ours to lint: --add-ort first")
 
     def existing_entry(self, flag: str, all_seeds: bool) -> tuple[Path, dict]:
         """This model's entry, for a step added to it later (its run folders may be gone): checked to be made from

@@ -332,16 +332,20 @@ def run_preloaded(cmd: list[str], cwd: Path, env: dict, timeout: float) -> subpr
     return _server(env, cwd).run(cmd, cwd, timeout)
 
 
+def cli_env() -> dict[str, str]:
+    """A script's environment: this worker's thread share, which upstream's utils.general, once imported in this
+    process, replaces in os.environ with min(8, cores - 1)."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=THREADS)
+
+
 def run_cli(script: str, *args, cwd: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
     """Run a top-level script of the patched checkout as a user would, in a new process (run_preloaded)."""
-    return run_preloaded([str(CHECKOUT / script), *map(str, args)], cwd or CHECKOUT,
-                         dict(os.environ, PYTHONUNBUFFERED="1"), timeout)
+    return run_preloaded([str(CHECKOUT / script), *map(str, args)], cwd or CHECKOUT, cli_env(), timeout)
 
 
 def start_cli(script: str, *args) -> Started:
     """run_cli, not waited for; Ctrl-C (SIGINT) interrupts it as in a terminal, whatever the suite was started with."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return _server(env, CHECKOUT).start([str(CHECKOUT / script), *map(str, args)], CHECKOUT, interruptible=True)
+    return _server(cli_env(), CHECKOUT).start([str(CHECKOUT / script), *map(str, args)], CHECKOUT, interruptible=True)
 
 
 def wait_for_file(folder: Path, glob: str, started: Started, timeout: float = 600) -> None:

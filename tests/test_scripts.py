@@ -255,7 +255,8 @@ def test_benchmark_peer_calibrates_on_our_images_and_is_added_to_an_entry_later(
     assert e["modelopt"]["max"]["0"]["lint"]["unshared_joins"] > 0 == e["ours_lint"]["unshared_joins"]
     assert all(r["val"]["ap"] > 0 for runs in e["modelopt"].values() for r in runs.values())
     bare = {k: v for k, v in e.items() if k not in ("modelopt", "modelopt_choice", "ours_lint")}
-    entry = out / "demo" / "gelan-t" / "entry.json"
+    entry, table = out / "demo" / "gelan-t" / "entry.json", out / "accuracy.md"
+    kept_table = table.read_text()
     entry.write_text(json.dumps(bare))
     gone = tmp / "gone"
     shutil.move(work / "demo" / "gelan-t", gone)
@@ -267,10 +268,23 @@ def test_benchmark_peer_calibrates_on_our_images_and_is_added_to_an_entry_later(
             {m: {s: v["val"] for s, v in runs.items()} for m, runs in e["modelopt"].items()}
         assert added["ours_lint"] == e["ours_lint"], (added["ours_lint"], e["ours_lint"])
         assert added["provenance"]["peer"]["command"].endswith("--add-peer")
+        entry.write_text(json.dumps(bare))  # some of the entry's seeds: compared with ours on the same seeds
+        one = [str(a) for a in args[:args.index("--seeds")]] + ["--seeds", "1"] + \
+            [str(a) for a in args[args.index("--methods"):] if a != "--modelopt"]
+        r = run_cli("scripts/benchmark_accuracy.py", *one, "--add-peer")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        added = json.loads(entry.read_text())
+        assert {m: list(runs) for m, runs in added["modelopt"].items()} == {m: ["1"] for m in e["modelopt"]}
+        assert added["modelopt"]["max"]["1"]["val"] == e["modelopt"]["max"]["1"]["val"]
+        ours = e["qat"]["1"]["val_best"]["ap"]
+        assert added["summary"]["qat_vs_modelopt"]["delta"] == \
+            round(ours - added["modelopt"][added["modelopt_choice"]]["1"]["val"]["ap"], 5)
+        assert "QAT on the same seed (1) - Model Optimizer" in table.read_text()
     finally:
         shutil.rmtree(work / "demo" / "gelan-t", ignore_errors=True)
         shutil.move(gone, work / "demo" / "gelan-t")
         entry.write_text(json.dumps(e))
+        table.write_text(kept_table)
 
 
 def test_benchmark_keeps_auto_ranges_and_rebuilds_the_ptq_graphs_from_them_later(bench_run, demo_data):
@@ -314,6 +328,40 @@ def test_benchmark_keeps_auto_ranges_and_rebuilds_the_ptq_graphs_from_them_later
     finally:
         ranges.write_bytes(kept_bytes)
         table.write_text(kept_table)
+        shutil.rmtree(work / "demo" / "gelan-t", ignore_errors=True)
+        shutil.move(gone, work / "demo" / "gelan-t")
+        entry.write_text(json.dumps(e))
+
+
+def test_benchmark_add_ranges_recalibrates_a_seed_to_the_same_ranges_and_figures(bench_run):
+    """--add-ranges with the run folders gone: seed 1's calibration made again with the method auto chose for it, on
+    the images the entry records, gives the ranges the run kept, array by array, and the entry's select and val mAP
+    to the last digit (same machine, same threads)."""
+    import numpy as np
+
+    from models.saved_ranges import read_ranges
+    tmp, args, e, _ = bench_run
+    out, work = tmp / "results", tmp / "work"
+    folder = out / "demo" / "gelan-t"
+    entry, ranges = folder / "entry.json", folder / e["ranges"]["1"]["file"]
+    kept_arrays, kept_meta = read_ranges(ranges)
+    kept_bytes = ranges.read_bytes()
+    one = [str(a) for a in args[:args.index("--seeds")]] + ["--seeds", "1"] + \
+        [str(a) for a in args[args.index("--methods"):] if a != "--modelopt"]
+    gone = tmp / "gone-add-ranges"
+    shutil.move(work / "demo" / "gelan-t", gone)
+    try:
+        r = run_cli("scripts/benchmark_accuracy.py", *one, "--add-ranges")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        row = json.loads(entry.read_text())["ranges"]["1"]
+        assert row["vs_entry"] == {"select": 0.0, "val": 0.0}, row
+        assert row["val"] == e["qat"]["1"]["auto"]["val"]
+        arrays, meta = read_ranges(ranges)
+        assert meta["calibration_sample"] == kept_meta["calibration_sample"] and meta["method"] == kept_meta["method"]
+        assert arrays.keys() == kept_arrays.keys()
+        assert all(np.array_equal(arrays[k], kept_arrays[k]) for k in arrays)
+    finally:
+        ranges.write_bytes(kept_bytes)
         shutil.rmtree(work / "demo" / "gelan-t", ignore_errors=True)
         shutil.move(gone, work / "demo" / "gelan-t")
         entry.write_text(json.dumps(e))
