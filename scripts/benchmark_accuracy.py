@@ -529,7 +529,7 @@ def parse_opt(argv=None):
     p.add_argument("--modelopt", action="store_true", help="also run NVIDIA Model Optimizer's ONNX PTQ")
     p.add_argument("--add-peer", action="store_true",
                    help="only add Model Optimizer's PTQ to each model's existing entry (its run folders may be gone): "
-                        "the entry's command with --add-peer")
+                        "the entry's command with --add-peer (--seeds: all of the entry's, or some)")
     p.add_argument("--add-ranges", action="store_true",
                    help="only calibrate --seeds again as each model's entry did and keep the ranges beside it")
     p.add_argument("--add-ort", action="store_true",
