@@ -150,6 +150,12 @@ def bench_run(demo_data, tmp_path_factory):
     return tmp, args, entry, modelopt
 
 
+def on_seed_one(args: list) -> list[str]:
+    """The benchmark fixture's command for seed 1 only, without the peer (a step added to its entry later)."""
+    return [str(a) for a in args[:args.index("--seeds")]] + ["--seeds", "1"] + \
+        [str(a) for a in args[args.index("--methods"):] if a != "--modelopt"]
+
+
 def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(bench_run, demo_data):
     """The select split (the one qat.py carves itself), every calibration candidate per seed from the default
     command's one calibration, the choice on select, the default command (auto, QAT, best-of), its float control and
@@ -269,8 +275,7 @@ def test_benchmark_peer_calibrates_on_our_images_and_is_added_to_an_entry_later(
         assert added["ours_lint"] == e["ours_lint"], (added["ours_lint"], e["ours_lint"])
         assert added["provenance"]["peer"]["command"].endswith("--add-peer")
         entry.write_text(json.dumps(bare))  # some of the entry's seeds: compared with ours on the same seeds
-        one = [str(a) for a in args[:args.index("--seeds")]] + ["--seeds", "1"] + \
-            [str(a) for a in args[args.index("--methods"):] if a != "--modelopt"]
+        one = on_seed_one(args)
         r = run_cli("scripts/benchmark_accuracy.py", *one, "--add-peer")
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         added = json.loads(entry.read_text())
@@ -305,8 +310,7 @@ def test_benchmark_keeps_auto_ranges_and_rebuilds_the_ptq_graphs_from_them_later
         assert kept["method"] == method and (folder / kept["file"]).is_file()
         assert kept["calibration_sample"] == e["ptq"]["max"][seed]["calibration_sample"]  # one sample per seed
     entry = folder / "entry.json"
-    one = [str(a) for a in args[:args.index("--seeds")]] + ["--seeds", "1"] + \
-        [str(a) for a in args[args.index("--methods"):] if a != "--modelopt"]
+    one = on_seed_one(args)
     gone = tmp / "gone-ranges"
     shutil.move(work / "demo" / "gelan-t", gone)
     ranges, table = folder / e["ranges"]["1"]["file"], out / "accuracy.md"
@@ -346,8 +350,7 @@ def test_benchmark_add_ranges_recalibrates_a_seed_to_the_same_ranges_and_figures
     entry, ranges = folder / "entry.json", folder / e["ranges"]["1"]["file"]
     kept_arrays, kept_meta = read_ranges(ranges)
     kept_bytes = ranges.read_bytes()
-    one = [str(a) for a in args[:args.index("--seeds")]] + ["--seeds", "1"] + \
-        [str(a) for a in args[args.index("--methods"):] if a != "--modelopt"]
+    one = on_seed_one(args)
     gone = tmp / "gone-add-ranges"
     shutil.move(work / "demo" / "gelan-t", gone)
     try:
