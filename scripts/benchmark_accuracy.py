@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path.cwd()))
 from utils.benchmark_steps import (Bench, calibration_array, export, images_per_second, lint_summary,  # noqa: E402
                                    measure, mixed_summary, public, quantize_run, recipe_tag, run_step, sample_id,
                                    step_devices, yaml_split)
-from models.calibrate import AUTO_CANDIDATES  # noqa: E402  (not models.quantize: it imports upstream's models.common)
+from models.calibrate import AUTO_CANDIDATES, calib_method_flags  # noqa: E402  (not models.quantize: it imports upstream's models.common)
 from utils.benchmark_tables import model_table, render, summarize  # noqa: E402
 from utils.datasplit import write_split  # noqa: E402
 from utils.io_utils import atomic_write, write_json  # noqa: E402
@@ -357,7 +357,7 @@ class ModelBench:
         for s in b.seeds:
             method = self.auto_method(entry, s)
             folder = f"ranges-{method}-seed{s}"
-            r = self.quantize(folder, s, ["--epochs", "0", "--calib-method", method], b.seeds.index(s))
+            r = self.quantize(folder, s, ["--epochs", "0", *calib_method_flags(method)], b.seeds.index(s))
             # the seed's one calibration sample (every method's row records it) and what auto's model measured
             ptq, auto = entry["ptq"], entry.get("qat", {}).get(str(s), {}).get("auto")
             want = {"calibration_sample": next(iter(ptq.values()))[str(s)]["calibration_sample"],

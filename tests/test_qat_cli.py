@@ -328,3 +328,19 @@ def test_outputs_respect_the_umask_and_eval_leaves_no_empty_folders(quantize_run
     assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == ["eval.json"]
     # files written under the default umask are readable by others (a DeepStream service account)
     assert stat.S_IMODE((quantize_run[0] / "report.json").stat().st_mode) & 0o044 == 0o044
+
+
+def test_each_auto_candidate_is_one_qat_command(gelan_t_weights, demo_data):
+    """What auto chose, named as the benchmark names it ("percentile-99.99"), turned into qat.py flags that calibrate
+    with that candidate alone (--add-ranges recalibrates a seed with them): the recipe qat.py builds has the
+    candidate's method and percentile."""
+    import sys
+    from models.calibrate import AUTO_CANDIDATES, PER_QUANTIZER, calib_method_flags
+    call_cli("qat.py", "--help")  # loads the script as a module
+    qat = sys.modules["cli_qat"]
+    base = ["quantize", "--weights", str(gelan_t_weights), "--data", str(demo_data), "--epochs", "0"]
+    for name, (method, percentile) in {**AUTO_CANDIDATES, PER_QUANTIZER: (PER_QUANTIZER, None)}.items():
+        quant = qat.build(dict(vars(qat.parse_opt(base + calib_method_flags(name)))))[1].quant
+        assert quant.calib_method == method
+        if percentile is not None:
+            assert quant.percentile == percentile
