@@ -26,9 +26,10 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from models.export import (DTYPES, PREFIX, ExportConfig, GraphSpec, artefact, count_qdq, export_model,  # noqa: E402
-                           output_kind, read_settings, recorded_settings, report_lint, save_onnx, verify_parity)
-from models.quantize import is_quantized  # noqa: E402
+from models.deployment.export import (DTYPES, PREFIX, ExportConfig, GraphSpec, artefact, count_qdq,  # noqa: E402
+                                      export_model, output_kind, read_settings, recorded_settings, report_lint,
+                                      save_onnx, verify_parity)
+from models.quantization.quantize import is_quantized  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import cli_main, write_json  # noqa: E402
 from utils.onnx_nms import NMS_KINDS, NMSSettings  # noqa: E402

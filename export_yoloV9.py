@@ -20,12 +20,12 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from models.checkpoint import load_for_export, read_checkpoint  # noqa: E402
-from models.quantize import is_quantized  # noqa: E402
+from models.quantization.checkpoint import load_for_export, read_checkpoint  # noqa: E402
+from models.quantization.quantize import is_quantized  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import atomic_write, cli_main  # noqa: E402
-from models.export import (DTYPES, PREFIX, GraphSpec, artefact, class_names, count_qdq,  # noqa: E402
-                           export_graph, recorded_settings, report_lint, save_onnx, stamp)
+from models.deployment.export import (DTYPES, PREFIX, GraphSpec, artefact, class_names, count_qdq,  # noqa: E402
+                                      export_graph, recorded_settings, report_lint, save_onnx, stamp)
 
 
 class DeepStreamHead(nn.Module):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Copy the yolov9-qat overlay over a YOLOv9 checkout: ./patch_yolov9.sh /path/to/yolov9
-# Idempotent; lists what it copied; never deletes anything. A file of the checkout that this patch
-# did not put there and that would be overwritten is kept as FILE.orig first.
+# Idempotent; lists what it copied. A file of the checkout that this patch did not put there and that would be
+# overwritten is kept as FILE.orig first. A file an earlier patch put there that the overlay no longer has (a
+# module moved) is removed, and the FILE.orig it replaced put back; nothing else is ever deleted.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -21,6 +22,10 @@ DIR="$(cd "$DIR" && pwd)"  # absolute before the cd below: a relative DIR means 
 MANIFEST="$DIR/.yolov9_qat_files"
 touch "$MANIFEST"
 cd "$HERE"
+overlay_files() {
+  ls -1 *.py models/*.py models/*/*.py utils/*.py scripts/*.sh scripts/*.py 2>/dev/null \
+    | grep -v '^scripts/get_yolov9.sh$\|^scripts/demo.sh$'
+}
 copied=0
 unchanged=0
 while IFS= read -r rel; do
@@ -38,7 +43,18 @@ while IFS= read -r rel; do
   grep -qxF "$rel" "$MANIFEST" || echo "$rel" >> "$MANIFEST"
   echo "  copied  $rel"
   copied=$((copied + 1))
-done < <(ls -1 *.py models/*.py utils/*.py scripts/*.sh scripts/*.py 2>/dev/null | grep -v '^scripts/get_yolov9.sh$\|^scripts/demo.sh$')
+done < <(overlay_files)
+removed=0
+while IFS= read -r rel; do
+  [ -n "$rel" ] && [ ! -f "$rel" ] || continue
+  if [ -f "$DIR/$rel.orig" ]; then mv "$DIR/$rel.orig" "$DIR/$rel"; elif [ -f "$DIR/$rel" ]; then rm "$DIR/$rel"; fi
+  echo "  removed $rel (no longer in the overlay)"
+  removed=$((removed + 1))
+done < <(grep -vxF -f <(overlay_files) "$MANIFEST" || true)
+if [ "$removed" != 0 ]; then
+  overlay_files | grep -xF -f - "$MANIFEST" > "$MANIFEST.tmp.$$" || true
+  mv "$MANIFEST.tmp.$$" "$MANIFEST"
+fi
 # Which overlay commit this checkout carries (results record it; utils/provenance.py reads it)
 commit="${YOLOV9_QAT_COMMIT:-$(git -C "$HERE" rev-parse HEAD 2>/dev/null || echo unknown)}"
 if [ -z "${YOLOV9_QAT_COMMIT:-}" ] && [ -n "$(git -C "$HERE" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
@@ -46,6 +62,6 @@ if [ -z "${YOLOV9_QAT_COMMIT:-}" ] && [ -n "$(git -C "$HERE" status --porcelain 
 fi
 echo "$commit" > "$DIR/.yolov9_qat_commit"
 echo "$HERE" > "$DIR/.yolov9_qat_source"
-echo "patch_yolov9: $copied file(s) copied, $unchanged already up to date, into $DIR"
+echo "patch_yolov9: $copied file(s) copied, $unchanged already up to date, $removed removed, into $DIR"
 # upstream's own scripts on this stack (torch >= 2.6, Pillow >= 10, offline): see utils/upstream_compat.py
 "${PYTHON:-python3}" "$HERE/utils/upstream_compat.py" "$DIR"

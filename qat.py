@@ -20,11 +20,11 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from models.evaluate import NMSConfig  # noqa: E402
-from models.fast_step import STEP_MODES  # noqa: E402
-from models.finetune import DISTILL_TARGETS, LR_SCHEDULES, RECIPES, QATRecipe  # noqa: E402
+from models.deployment.evaluate import NMSConfig  # noqa: E402
+from models.finetuning.fast_step import STEP_MODES  # noqa: E402
+from models.finetuning.finetune import DISTILL_TARGETS, LR_SCHEDULES, RECIPES, QATRecipe  # noqa: E402
 from models.pipeline import CONTROL_PARTS, RunConfig, evaluate_checkpoint, quantize, resume, sensitivity  # noqa: E402
-from models.quantize import CALIB_METHODS, QuantRecipe, skip_patterns  # noqa: E402
+from models.quantization.quantize import CALIB_METHODS, QuantRecipe, skip_patterns  # noqa: E402
 from utils.datasplit import SelectConfig  # noqa: E402
 from utils.io_utils import OutputDir, cli_main  # noqa: E402
 

@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from models.checkpoint import read_checkpoint  # noqa: E402
+from models.quantization.checkpoint import read_checkpoint  # noqa: E402
 from models.yolo import Model, SegmentationModel  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import atomic_write, cli_main  # noqa: E402

@@ -1,5 +1,5 @@
 """COCO-style mAP of a deployed model: a TensorRT engine, the same ONNX run by ONNX Runtime, or the .pt in PyTorch,
-all through one evaluation loop (models/evaluate.py). Detection, or instance segmentation (box and mask mAP),
+all through one evaluation loop (models/deployment/evaluate.py). Detection, or instance segmentation (box and mask mAP),
 recognised from the model's outputs.
 
     python val_trt.py --engine-file model.engine --data data/coco.yaml --imgsz 640 --batch-size 8
@@ -24,8 +24,9 @@ ROOT = FILE.parents[0]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from models.evaluate import NMSConfig, check_outputs, coco_map, evaluate, metrics_table, val_loader  # noqa: E402
-from models.runners import open_runner  # noqa: E402
+from models.deployment.evaluate import (NMSConfig, check_outputs, coco_map, evaluate, metrics_table,  # noqa: E402
+                                        val_loader)
+from models.deployment.runners import open_runner  # noqa: E402
 from utils.batches import load_data  # noqa: E402
 from utils.general import LOGGER  # noqa: E402
 from utils.io_utils import OutputDir, cli_main, write_json  # noqa: E402

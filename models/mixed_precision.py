@@ -8,7 +8,7 @@ consistent Q/DQ graph whose float convs TensorRT runs in FP16.
 `qat.py quantize --max-loss X` chooses on the select split, after PTQ calibration (models/pipeline.py):
 1. rank every candidate by how much of the PTQ model's output error (against the float model, on one batch of
    select images) goes away with that candidate alone in float: one forward pass each (from the first layer the
-   candidate is used in, models/layer_outputs.py), no evaluation;
+   candidate is used in, models/core/layer_outputs.py), no evaluation;
 2. measure `measured` of them on select, each alone in float (its cost: select mAP gained): half the ones that
    remove the most error per MAC (the cheap wins), half the ones that remove the most error at all (what a budget
    out of the cheap ones' reach needs); in one pass over select, each candidate's forward again from its first
@@ -20,27 +20,25 @@ candidate the same way (step 2 over all of them).
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
-import onnx
 import torch
 import torch.nn as nn
 from pytorch_quantization import nn as quant_nn
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 
-from models.evaluate import NMSConfig, evaluate_each
-from models.held_state import held
-from models.layer_outputs import LayerOutputs
-from models.quantize import QuantRecipe, quantization_disabled, is_quantized, named_quantizers
-from models.runners import TorchRunner
-from models.task import Task
+from models.core.layer_outputs import LayerOutputs
+from models.core.task import Task
+from models.deployment.evaluate import NMSConfig, evaluate_each
+from models.deployment.export import float_conv_nodes
+from models.deployment.runners import TorchRunner
+from models.quantization.held_state import held
+from models.quantization.quantize import CONVS, float_convs, named_quantizers, quantization_disabled
 from utils.onnx_utils import model_to_onnx
-from utils.qdq_lint import lint, module_of
+from utils.qdq_lint import lint
 
-CONVS = (nn.Conv2d, quant_nn.QuantConv2d)  # pytorch-quantization's conv is no nn.Conv2d subclass
 
 
 @dataclass(frozen=True)
@@ -115,26 +113,6 @@ def keep_float(model: nn.Module, candidates: list[Candidate]) -> None:
         q.disable()
 
 
-def float_convs(model: nn.Module, recipe: QuantRecipe = QuantRecipe()) -> list[str]:
-    """The convs of a quantized model that compute in float by choice (--skip-layers, mixed precision), not by
-    design (the recipe's never_quantize: DFL)."""
-    if not is_quantized(model):
-        return []
-    out = []
-    for name, m in model.named_modules():
-        if not isinstance(m, CONVS) or any(re.search(p, name) for p in recipe.never_quantize):
-            continue
-        if not isinstance(m, quant_nn.QuantConv2d) or m._weight_quantizer._disabled:
-            out.append(name)
-    return out
-
-
-def float_conv_nodes(graph: onnx.GraphProto, convs: list[str]) -> list[str]:
-    """The Conv nodes of an exported graph traced from the modules `convs`."""
-    wanted = set(convs)
-    return [n.name for n in graph.node if n.op_type == "Conv" and module_of(n.name) in wanted]
-
-
 def output_error(outputs: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
     """Relative squared error per output channel (box coordinates, class scores, mask coefficients each weigh the
     same whatever their units), summed."""
@@ -177,7 +155,8 @@ def candidate_metrics(model: nn.Module, candidates: list[Candidate], loader, tas
                       desc: str) -> dict[str, dict]:
     """Each candidate's metrics over `loader` with it alone in float, in one pass over the images: per batch, one
     all-INT8 forward keeps its layer outputs and each candidate reruns from the first layer that uses it
-    (models/layer_outputs.py: the layers before compute the same numbers either way); the weights are quantized once
+    (models/core/layer_outputs.py: the layers before compute the same numbers either way); the weights are quantized
+    once
     for all (none changes). One batch's layer outputs are held at a time."""
     runner = TorchRunner(model)
 

@@ -3,13 +3,13 @@ evaluation of a checkpoint and per-layer sensitivity. One frozen `RunConfig` say
 stored in the run's report.json, so `--resume` continues with exactly the same settings.
 
 Every choice is made on a select split held out from the training images (utils/datasplit.py; the choices:
-models/selection.py): the calibration method (`auto`: every candidate range from one pass of statistics, each
+models/core/selection.py): the calibration method (`auto`: every candidate range from one pass of statistics, each
 measured), with `--max-loss` the tensors kept in float (models/mixed_precision.py), and the delivered model
 `weights/best_{stem}.pt`, the best of the PTQ model and every QAT epoch, so a run never ships an INT8 model worse
 on select than the PTQ model it already had. The val images are measured, never chosen on: the float model
 before, the delivered model after.
 
-Under torchrun the same run is spread over several processes (models/distributed.py): --batch-size is the global
+Under torchrun the same run is spread over several processes (models/core/distributed.py): --batch-size is the global
 batch, calibration statistics are combined across ranks, the student trains under DistributedDataParallel, and
 rank 0 alone evaluates and writes. --iters 0 makes an epoch one pass over the training images.
 
@@ -34,19 +34,20 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from models.distributed import World, data_parallel, init, same_on_every_rank, shutdown_after, world_from_env
-from models.checkpoint import copy_checkpoint, load_float_model, load_quantized_model, read_checkpoint, save_checkpoint
-from models.evaluate import NMSConfig, evaluate, kept_in_memory, metrics_table, val_loader
-from models.fast_step import STEP_MODES, compiled, plan_step, to_layout
-from models.finetune import FineTuner, QATObjective, QATRecipe, learnable_amax_parameters
-from models.layer_outputs import LayerOutputs
+from models.core.distributed import World, data_parallel, init, same_on_every_rank, shutdown_after, world_from_env
+from models.core.layer_outputs import LayerOutputs
+from models.core.selection import choose, choose_calibration
+from models.core.task import Task, task_of
+from models.deployment.evaluate import NMSConfig, evaluate, kept_in_memory, metrics_table, val_loader
+from models.deployment.runners import TorchRunner
+from models.finetuning.fast_step import STEP_MODES, compiled, plan_step, to_layout
+from models.finetuning.finetune import FineTuner, QATObjective, QATRecipe, learnable_amax_parameters
 from models.mixed_precision import (Candidate, MixedPrecision, candidate_metrics, choose_float_set, costs_of,
                                     deployment_summary, float_candidates, keep_float)
-from models.quantize import (QuantRecipe, calibrate, collect_statistics, copy_float, is_quantized,
-                             named_quantizers, quantize_model, quantizer_counts)
-from models.selection import choose, choose_calibration
-from models.runners import TorchRunner
-from models.task import Task, task_of
+from models.quantization.checkpoint import (copy_checkpoint, load_float_model, load_quantized_model, read_checkpoint,
+                                            save_checkpoint)
+from models.quantization.quantize import (QuantRecipe, calibrate, collect_statistics, copy_float, is_quantized,
+                                          named_quantizers, quantize_model, quantizer_counts)
 from utils.batches import load_data, load_hyp, seeded_batches, seeded_indices, seeded_rank_loader
 from utils.datasplit import SelectConfig, SelectSplit, split_for
 from utils.general import LOGGER, colorstr
@@ -70,7 +71,7 @@ class RunConfig:
     batch_size: int = 10
     workers: int = 8
     cache: str | None = None          # upstream's --cache: training images decoded once, kept in "ram" or on "disk"
-    step: str = "auto"                # the fine-tuning step: compiled where it can be (models/fast_step.py), or eager
+    step: str = "auto"                # the fine-tuning step: compiled where it can be (models/finetuning/fast_step.py), or eager
     num_image: int | None = None      # evaluate on the first N validation images only
     seed: int = 57                    # calibration sample, data order and augmentation of every epoch
     quant: QuantRecipe = field(default_factory=QuantRecipe)
@@ -234,7 +235,7 @@ def controlled_quantizers(model: nn.Module, part: str) -> list[nn.Module]:
 
 
 def measure(model: nn.Module, inputs: Inputs, cfg_nms: NMSConfig, desc: str, split: str = "val") -> dict:
-    """The task's metrics of an in-memory model on the val or the select images (models/evaluate.py)."""
+    """The task's metrics of an in-memory model on the val or the select images (models/deployment/evaluate.py)."""
     loader = inputs.select if split == "select" else inputs.val
     m = evaluate(TorchRunner(model), loader, inputs.task, int(inputs.data_dict["nc"]), cfg_nms, f"{desc} ({split})")
     return inputs.task.metrics(m)

@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path.cwd()))
 from utils.benchmark_steps import (Bench, calibration_array, export, images_per_second, lint_summary,  # noqa: E402
                                    measure, mixed_summary, public, quantize_run, recipe_tag, run_step, sample_id,
                                    step_devices, yaml_split)
-from models.calibrate import AUTO_CANDIDATES, calib_method_flags  # noqa: E402  (not models.quantize: it imports upstream's models.common)
+# calibration, not quantization.quantize: that imports upstream's models.common
+from models.quantization.calibration import AUTO_CANDIDATES, calib_method_flags  # noqa: E402
 from utils.benchmark_tables import model_table, render, summarize  # noqa: E402
 from utils.datasplit import write_split  # noqa: E402
 from utils.io_utils import atomic_write, write_json  # noqa: E402
@@ -318,8 +319,8 @@ class ModelBench:
         provenance gains where and by what this ran. --seeds may be some of the entry's (the peer is compared with
         ours on the same seeds)."""
         path, entry = self.existing_entry("--add-peer", all_seeds=False)
-        from models.checkpoint import load_float_model
-        from models.task import task_of
+        from models.core.task import task_of
+        from models.quantization.checkpoint import load_float_model
         task = task_of(load_float_model(str(self.weights), "cpu"))  # once: the sampler only needs the task's loader
         samples = {str(s): self._calibration_sample(task, s,
                                                     entry["ptq"][entry["ptq_choice"]][str(s)]["calibration_sample"])
@@ -335,10 +336,11 @@ class ModelBench:
         return entry["qat"][str(seed)]["auto"]["chosen"] if "qat" in entry else entry["ptq_choice"]
 
     def keep_ranges(self, seed: int, report: dict, weights_sha256: str) -> dict:
-        """The ranges of a run's PTQ model (auto's candidate) saved beside the entry (models/saved_ranges.py): a
+        """The ranges of a run's PTQ model (auto's candidate) saved beside the entry
+        (models/quantization/saved_ranges.py): a
         later --add-ort rebuilds the model from them; the entry's record of them."""
-        from models.checkpoint import load_quantized_model
-        from models.saved_ranges import recipe_from_dict, save_ranges
+        from models.quantization.checkpoint import load_quantized_model
+        from models.quantization.saved_ranges import recipe_from_dict, save_ranges
         method = report["calibration"]["chosen"]
         sample = sample_id(report["calibration_images"])
         rel = Path("ranges") / f"seed{seed}.npz"
@@ -382,8 +384,8 @@ class ModelBench:
         ranges (the entry's weights and calibration sample, checked), measured on val in PyTorch and as the FP32 and
         FP16 Q/DQ graphs, plain and end to end, each linted and run in ONNX Runtime; where and how long."""
         import time
-        from models.checkpoint import load_float_model, save_checkpoint
-        from models.saved_ranges import rebuild_ptq
+        from models.quantization.checkpoint import load_float_model, save_checkpoint
+        from models.quantization.saved_ranges import rebuild_ptq
         b = self.bench
         path, entry = self.existing_entry("--add-ort", all_seeds=False)
         rows = entry.setdefault("ort_ptq", {})
@@ -425,7 +427,7 @@ class ModelBench:
     def _calibration_sample(self, task, seed: int, digest: str) -> list[str]:
         import yaml
         from models.pipeline import RunConfig, calibration_sample
-        from models.quantize import QuantRecipe
+        from models.quantization.quantize import QuantRecipe
         b = self.bench
         cfg = RunConfig(str(self.weights), b.data, "", imgsz=b.imgsz, batch_size=b.batch_size, workers=0, seed=seed,
                         quant=QuantRecipe(calib_batches=b.calib_batches))

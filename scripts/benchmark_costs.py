@@ -23,9 +23,9 @@ import torch  # noqa: E402
 from utils.io_utils import write_json  # noqa: E402
 from utils.provenance import command_line, machine, overlay_repo, toolkit_commit  # noqa: E402
 
-WHAT = ("one optimizer step of `qat.py quantize`'s recipe (models/finetune.py FineTuner.step): teacher forward "
-        "without gradients, student forward, head distillation + detection loss, backward, Adam step, AMP on CUDA; "
-        "the QAT student has its quantizers enabled, the control the same model with every quantizer disabled; "
+WHAT = ("one optimizer step of `qat.py quantize`'s recipe (models/finetuning/finetune.py FineTuner.step): teacher "
+        "forward without gradients, student forward, head distillation + detection loss, backward, Adam step, AMP on "
+        "CUDA; the QAT student has its quantizers enabled, the control the same model with every quantizer disabled; "
         "the two alternate step by step on the same batches, each timed with a CUDA synchronize before and after")
 
 
@@ -78,9 +78,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (training-step costs on a CPU say nothing about a GPU's)")
 
-    from models.finetune import RECIPES, FineTuner, QATObjective
-    from models.held_state import held
-    from models.quantize import QuantRecipe, calibrate, copy_float, named_quantizers, quantize_model, quantizer_counts
+    from models.finetuning.finetune import RECIPES, FineTuner, QATObjective
+    from models.quantization.held_state import held
+    from models.quantization.quantize import (QuantRecipe, calibrate, copy_float, named_quantizers, quantize_model,
+                                              quantizer_counts)
     from models.yolo import Model
     from utils.batches import load_hyp
     device = torch.device("cuda:0")

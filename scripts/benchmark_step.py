@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path.cwd()))
 
-from models.fast_step import STEP_MODES  # noqa: E402
+from models.finetuning.fast_step import STEP_MODES  # noqa: E402
 from utils.io_utils import atomic_write, write_json  # noqa: E402
 from utils.provenance import command_line, machine, toolkit_commit  # noqa: E402
 

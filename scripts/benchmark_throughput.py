@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """QAT training throughput and where a step's time goes, in one process or several (torchrun), on the real data
 path of `qat.py quantize` (upstream's augmenting loader, this rank's share of each global batch) and its real
-step (models/finetune.py FineTuner), for QAT and its float control.
+step (models/finetuning/finetune.py FineTuner), for QAT and its float control.
 
     python scripts/benchmark_throughput.py --cfg models/detect/gelan-c.yaml --data D.yaml --batch-size 32
     torchrun --standalone --nproc_per_node 2 scripts/benchmark_throughput.py ... --device 0,1
@@ -9,8 +9,8 @@ step (models/finetune.py FineTuner), for QAT and its float control.
 Run from the patched YOLOv9 checkout. Weights are random (throughput does not depend on what a model learned);
 calibration uses max on a few batches. For each arm: `--warmup` untimed steps, then `--steps` timed steps
 (images/s over them, the device synchronized at both ends only), then `--breakdown-steps` steps with the device
-synchronized at every phase boundary (models/finetune.py StepClock: the seconds per phase, which add up to more
-than a free-running step). Rank 0 writes OUT/<model>.json (results/scaling/ by default), keeping the entries of
+synchronized at every phase boundary (models/finetuning/finetune.py StepClock: the seconds per phase, which add up to
+more than a free-running step). Rank 0 writes OUT/<model>.json (results/scaling/ by default), keeping the entries of
 other world sizes and batches; `speedup` is this run's throughput over the 1-process run's of the same model,
 image size and global batch, where that one is recorded.
 """
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path.cwd()))
 
 import torch  # noqa: E402
 
-from models.fast_step import STEP_MODES  # noqa: E402
+from models.finetuning.fast_step import STEP_MODES  # noqa: E402
 from utils.io_utils import write_json  # noqa: E402
 from utils.provenance import command_line, machine, overlay_repo, toolkit_commit  # noqa: E402
 
@@ -68,7 +68,7 @@ def loader_images_per_s(loader, device, n: int, batch: int) -> float:
 
 def arm_result(tuner, loader, device, opt) -> dict:
     """Images/s over the timed steps, then the per-phase breakdown (per step, seconds)."""
-    from models.finetune import StepClock
+    from models.finetuning.finetune import StepClock
     from utils.batches import seeded_batches
 
     def run(n: int, seed: int) -> float:
@@ -92,12 +92,12 @@ def arm_result(tuner, loader, device, opt) -> dict:
 
 def main(argv=None) -> int:
     opt = parse_opt(argv)
-    from models.distributed import data_parallel, init, shutdown_after, world_from_env
-    from models.fast_step import compiled, plan_step, to_layout
-    from models.finetune import RECIPES, FineTuner, QATObjective
+    from models.core.distributed import data_parallel, init, shutdown_after, world_from_env
+    from models.core.task import task_of
+    from models.finetuning.fast_step import compiled, plan_step, to_layout
+    from models.finetuning.finetune import RECIPES, FineTuner, QATObjective
     from models.pipeline import RunConfig, train_loader
-    from models.quantize import QuantRecipe, calibrate, copy_float, named_quantizers, quantize_model
-    from models.task import task_of
+    from models.quantization.quantize import QuantRecipe, calibrate, copy_float, named_quantizers, quantize_model
     from models.yolo import Model
     from utils.batches import load_data, load_hyp, seeded_batches
     from utils.torch_utils import select_device

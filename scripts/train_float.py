@@ -118,7 +118,7 @@ def record_session(run_dir: Path, seconds: float, returncode: int) -> None:
 def compact_weights(best: Path, out: Path) -> Path:
     """The EMA model of an upstream training checkpoint, FP16, without the optimizer."""
     import torch
-    from models.checkpoint import read_checkpoint
+    from models.quantization.checkpoint import read_checkpoint
     ckpt = read_checkpoint(best, flag="best.pt")
     model = (ckpt.get("ema") or ckpt["model"]).half()
     return atomic_write(out, lambda tmp: torch.save({"model": model, "epoch": ckpt.get("epoch")}, tmp))

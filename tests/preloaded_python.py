@@ -45,8 +45,8 @@ from pathlib import Path
 from python_launcher import SOCKET_VAR  # where a child's launcher finds this server (tests/ is this script's folder)
 
 # What every CLI of the overlay imports first (the script's own imports then find them loaded).
-PRELOAD = ("torch", "torchvision", "onnx", "utils.general", "models.yolo", "models.evaluate",
-           "models.finetune", "models.quantize")
+PRELOAD = ("torch", "torchvision", "onnx", "utils.general", "models.yolo", "models.deployment.evaluate",
+           "models.finetuning.finetune", "models.quantization.quantize")
 REAL_PYTHON = sys.executable
 
 

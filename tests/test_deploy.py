@@ -302,7 +302,7 @@ def test_fp16_graph_values_follow_fp16_rounding(exported, tmp_path):
     model.graph.output.append(onnx.helper.make_tensor_value_info(q.output[0], onnx.TensorProto.INT8, None))
     scale = next(onnx.numpy_helper.to_array(a.t) for n in model.graph.node if n.output[0] == q.input[1]
                  for a in n.attribute if a.name == "value")
-    from models.runners import ort_session
+    from models.deployment.runners import ort_session
     onnx.save(model, tmp_path / "q.onnx")
     x = np.random.default_rng(0).random((1, 3, IMGSZ, IMGSZ), dtype=np.float32)
     got = ort_session(tmp_path / "q.onnx").run([q.output[0]], {"images": x})[0]

@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import CHECKOUT, IMGSZ, call_cli, run_preloaded
 
-from models.calibrate import HistogramCollector
-from models.checkpoint import load_quantized_model
-from models.quantize import named_quantizers
+from models.quantization.calibration import HistogramCollector
+from models.quantization.checkpoint import load_quantized_model
+from models.quantization.quantize import named_quantizers
 
 COMMON = ["--imgsz", IMGSZ, "--device", "cpu", "--workers", 0, "--seed", 3]
 
@@ -52,7 +52,8 @@ def two_ranks(tmp_path_factory) -> tuple[list, object]:
 
 
 def _combine(rank: int, chunks: list, out: str) -> None:
-    from models.distributed import World, combine_statistics
+    from models.core.distributed import World
+    from models.quantization.calibration import combine_statistics
     collector = HistogramCollector()
     for x in chunks[rank::2]:
         collector.collect(x)
@@ -85,7 +86,7 @@ def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data
     the two shares of every step are exactly the images of the one-process step, in order and pixel for pixel, though
     one process loads in 2 workers and the ranks in none (each item's augmentation is seeded by its index); a new pass
     over the images gets a new order and new augmentations."""
-    from models.task import DETECT
+    from models.core.task import DETECT
     from utils.batches import SeededItems, load_data, load_hyp, seeded_batches, seeded_indices, seeded_rank_loader
     data, hyp = load_data(demo_data), load_hyp(CHECKOUT / "data" / "hyps" / "hyp.scratch-high.yaml")
 
@@ -148,8 +149,8 @@ def test_cached_training_images_give_the_same_batches(demo_data, tmp_path):
     images) changes where the pixels come from, not what they are: the same seeded batches, augmentations included,
     over two passes. The disk cache writes into the dataset's folder: a copy here."""
     import shutil
+    from models.core.task import DETECT
     from models.pipeline import RunConfig, train_loader
-    from models.task import DETECT
     from utils.batches import load_data, load_hyp, seeded_batches
     copy = tmp_path / "data"
     shutil.copytree(demo_data.parent, copy)
@@ -195,8 +196,8 @@ def test_two_process_calibration_equals_one_process(gelan_t_weights, demo_data, 
     moves a histogram range by one bin (seen: 3 of 336 quantizers). So a range may differ by at most one bin of its
     histogram (a power of two between 1/2048 and 1/1024 of the quantizer's maximum), for at most 5 % of the
     quantizers (headroom over the 1 % seen; a batching dependence moves most of them, by many bins)."""
-    from models.calibrate import bin_width
-    from models.quantize import HISTOGRAM_CANDIDATES
+    from models.quantization.calibration import bin_width
+    from models.quantization.quantize import HISTOGRAM_CANDIDATES
     common = ["quantize", "--weights", gelan_t_weights, "--data", demo_data, *COMMON, "--epochs", 0,
               "--no-eval-origin", "--save-candidates", "--batch-size", 4, "--calib-batches", 2, "--project", tmp_path]
     r = _torchrun(*common, "--name", "two")
@@ -231,8 +232,8 @@ def _search(rank: int, out: str) -> None:
     would choose otherwise); what each rank ends with saved."""
     from conftest import build_model
 
-    from models.distributed import World
-    from models.quantize import QuantRecipe, calibrate, named_quantizers, quantize_model
+    from models.core.distributed import World
+    from models.quantization.quantize import QuantRecipe, calibrate, named_quantizers, quantize_model
     recipe = QuantRecipe(calib_method="per-quantizer", skip=(r"^model\.([4-9]|\d\d)\.",))
     model = quantize_model(build_model("gelan-t", seed=rank).fuse(), recipe)
     shares = [torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(10 * b + rank)) for b in range(2)]
@@ -293,8 +294,8 @@ def _step(rank: int, out: str) -> None:
     from conftest import build_model
     from torch.nn.parallel import DistributedDataParallel
 
-    from models.distributed import World, data_parallel
-    from models.quantize import QuantRecipe, calibrate, quantize_model
+    from models.core.distributed import World, data_parallel
+    from models.quantization.quantize import QuantRecipe, calibrate, quantize_model
     torch.manual_seed(0)
     model = quantize_model(build_model("gelan-t").fuse())
     calibrate(model, QuantRecipe(calib_method="max"), [torch.rand(2, 3, 64, 64, generator=torch.Generator()

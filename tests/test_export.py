@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import IMGSZ, build_model, call_cli, run_cli, save_float_checkpoint
 
-from models.checkpoint import load_for_export, save_checkpoint
-from models.quantize import QuantRecipe, calibrate, quantize_model
-from models.export import verify_parity
+from models.deployment.export import verify_parity
+from models.quantization.checkpoint import load_for_export, save_checkpoint
+from models.quantization.quantize import QuantRecipe, calibrate, quantize_model
 from utils.onnx_utils import constant_values
 from utils.qdq_lint import lint, lint_file
 
@@ -227,14 +227,15 @@ def test_fp16_export_raises_near_dead_scales_and_changes_nothing_else(demo_data3
     channels get a coarser step, so the FP16 graph's mAP may differ from the unclamped FP32 graph's by more than
     FP16 rounding alone would), so the FP16 graph is compared with the FP32 graph given the same clamp: then only
     FP16 activations differ, and detections must match as for any FP16 export (tests/test_deploy.py: >= 0.9 with
-    the tolerances of models/export.py). Without the clamp those scales turn subnormal or zero in FP16 and the
+    the tolerances of models/deployment/export.py). Without the clamp those scales turn subnormal or zero in FP16 and
+    the
     channels' outputs are lost or infinite."""
     import onnx
     from conftest import TRAINED_T, call_cli
-    from models.checkpoint import load_float_model
-    from models.evaluate import NMSConfig, detections
-    from models.export import matched_detections
-    from models.runners import OnnxRuntimeRunner
+    from models.deployment.evaluate import NMSConfig, detections
+    from models.deployment.export import matched_detections
+    from models.deployment.runners import OnnxRuntimeRunner
+    from models.quantization.checkpoint import load_float_model
     from utils.onnx_fp16 import FP16_MIN_NORMAL, clamp_scales
     model = load_float_model(TRAINED_T, torch.device("cpu"))
     conv = model.model[2].cv1.conv

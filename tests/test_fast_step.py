@@ -1,4 +1,5 @@
-"""The compiled fine-tuning step (models/fast_step.py) against the eager one, on real upstream GELAN blocks and real
+"""The compiled fine-tuning step (models/finetuning/fast_step.py) against the eager one, on real upstream GELAN blocks
+and real
 quantizers: the same loss, gradients, updated weights and quantized outputs; and where the fast step applies."""
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import torch._dynamo
 import yaml
 from conftest import CHECKOUT, REDUCED_SIZE, TRAINED_T, NothingHeld, tiny_gelan
 
-from models.fast_step import EAGER, AutoRule, StepPlan, plan_step, teacher_mode
-from models.finetune import RECIPES, FineTuner, QATObjective
-from models.held_state import held
-from models.quantize import QuantRecipe, calibrate, copy_float, quantize_model
+from models.finetuning.fast_step import EAGER, AutoRule, StepPlan, plan_step, teacher_mode
+from models.finetuning.finetune import RECIPES, FineTuner, QATObjective
+from models.quantization.held_state import held
+from models.quantization.quantize import QuantRecipe, calibrate, copy_float, quantize_model
 
 NC = 3
 TINY_GELAN = tiny_gelan(NC)
@@ -45,7 +46,7 @@ def tiny_ptq(tmp_path_factory):
 
 def _train(model, teacher, plan: StepPlan, batches) -> tuple[list[float], dict, torch.nn.Module]:
     """Losses of each step, the gradients after the first, and the student after all of them."""
-    from models.fast_step import compiled, to_layout
+    from models.finetuning.fast_step import compiled, to_layout
     student, teacher = copy.deepcopy(model), copy.deepcopy(teacher)
     to_layout(student, plan)
     to_layout(teacher, plan)
@@ -129,10 +130,10 @@ def test_each_epoch_is_judged_on_the_weights_it_trained(demo_data320):
     version-keyed weight cache judged every epoch on the first evaluation's weights.) torch.compile's "eager" backend:
     the traced forward runs none of the quantizers' Python, as inductor's does, and traces in a fraction of the time;
     the teacher stays eager for the same reason."""
-    from models.checkpoint import load_float_model
-    from models.evaluate import evaluate, val_loader
-    from models.runners import TorchRunner
-    from models.task import DETECT
+    from models.core.task import DETECT
+    from models.deployment.evaluate import evaluate, val_loader
+    from models.deployment.runners import TorchRunner
+    from models.quantization.checkpoint import load_float_model
     from utils.batches import load_data
     data = load_data(demo_data320)
     teacher = copy_float(load_float_model(TRAINED_T))

@@ -12,12 +12,12 @@ import yaml
 from conftest import CHECKOUT, build_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.checkpoint import read_checkpoint, save_checkpoint
+from models.core.losses import head_distill_loss
+from models.finetuning.finetune import RECIPES, FineTuner, QATObjective, QATRecipe, WeightEMA, lr_at
 from models.pipeline import CONTROL_PARTS, controlled_quantizers
-from models.finetune import RECIPES, FineTuner, QATObjective, QATRecipe, WeightEMA, lr_at
-from models.losses import head_distill_loss
-from models.quantize import (QuantRecipe, calibrate, copy_float, fake_quant, learnable_amax_parameters,
-                             named_quantizers, quantization_disabled, quantize_model)
+from models.quantization.checkpoint import read_checkpoint, save_checkpoint
+from models.quantization.quantize import (QuantRecipe, calibrate, copy_float, fake_quant, learnable_amax_parameters,
+                                          named_quantizers, quantization_disabled, quantize_model)
 from utils.onnx_utils import model_to_onnx, unshared_joins
 
 NC, REG_MAX = 3, 16
@@ -91,7 +91,7 @@ def test_a_step_has_the_loss_and_gradients_of_the_recipe_and_the_epoch_their_mea
     """FineTuner.step (losses kept on the device, phase marks) computes what the recipe's
     loss and its backward give directly: the same total and the same gradient of every parameter (the same
     arithmetic in the same order, so equal to float rounding); the epoch's reported means are the steps' means."""
-    from models.finetune import StepClock
+    from models.finetuning.finetune import StepClock
     model, teacher = ptq_pair
     recipe, images, targets = RECIPES["default"], _images(2), _targets()
     direct = copy.deepcopy(model).train()
@@ -282,9 +282,9 @@ class _HostReads(TorchDispatchMode):
 
 def test_an_epoch_reads_back_its_ranges_once_and_its_losses_once(ptq_pair):
     """An epoch of QAT steps of the default recipe (no progress bar) reads back to the host, in this toolkit's code,
-    each range once as the epoch opens (models/held_state.py: its scale, held for the epoch, so the weights'
-    ranges are read whatever changed them since) and each loss part's sum once, at its end; nothing per step. The
-    reads left are upstream's detection loss (its target count and foreground checks, a few per step) and
+    each range once as the epoch opens (models/quantization/held_state.py: its scale, held for the epoch, so the
+    weights' ranges are read whatever changed them since) and each loss part's sum once, at its end; nothing per step.
+    The reads left are upstream's detection loss (its target count and foreground checks, a few per step) and
     torch.optim's host-resident step counters. Traced at the dispatcher, so any spelling of a read counts (a boolean
     mask, .to("cpu"), torch.equal), not only the methods one thought of."""
     import inspect
@@ -301,8 +301,9 @@ def test_an_epoch_reads_back_its_ranges_once_and_its_losses_once(ptq_pair):
     ours = [r for r in traced.reads if r[0] != "torch.optim" and r[0] not in UPSTREAM_LOSS]
     ranges = len({id(q) for _, q in named_quantizers(model)})  # shared quantizers once
     opening, ending = ours[:-len(losses)], ours[-len(losses):]
-    assert {r[0] for r in opening} == {"models/quantize.py"} and all("amax" in r[1] for r in opening), opening
+    assert {r[0] for r in opening} == {"models/quantization/quantize.py"}, opening
+    assert all("amax" in r[1] for r in opening), opening
     # each range read once (its tensor and its numpy view may both count), not once per step (the epoch has two)
     assert ranges <= len(opening) <= 2 * ranges, (len(opening), ranges)
-    assert ending == [("models/finetune.py", closing)] * len(losses), ending
+    assert ending == [("models/finetuning/finetune.py", closing)] * len(losses), ending
     assert any(r[0] in UPSTREAM_LOSS for r in traced.reads)  # the trace sees the reads it is meant to see

@@ -1,4 +1,5 @@
-"""models/held_state.py: what a block computes from a quantized model's ranges and weights lives for that block
+"""models/quantization/held_state.py: what a block computes from a quantized model's ranges and weights lives for that
+block
 only, so every update between blocks is seen, whatever wrote it (fused optimizers included)."""
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import pytest
 import torch
 from conftest import TRAINED_T, NothingHeld
 
-from models.checkpoint import load_float_model
-from models.finetune import WeightEMA
-from models.held_state import held
-from models.quantize import QuantRecipe, calibrate, calibrate_weights, fake_quant, quantize_model
+from models.finetuning.finetune import WeightEMA
+from models.quantization.checkpoint import load_float_model
+from models.quantization.held_state import held
+from models.quantization.quantize import QuantRecipe, calibrate, calibrate_weights, fake_quant, quantize_model
 
 SIZE = 320  # the trained demo model's size
 
@@ -102,9 +103,9 @@ def test_a_range_is_held_for_the_block_and_cannot_change_inside_it(conv):
 def test_evaluation_in_one_block_gives_the_same_map_to_the_last_digit(demo_data320):
     """The trained demo model, PTQ: evaluated in one block (each weight quantized once, each scale computed once)
     and with nothing held (every weight and scale computed again at every batch): the same metrics, every digit."""
-    from models.evaluate import evaluate, val_loader
-    from models.runners import TorchRunner
-    from models.task import DETECT
+    from models.core.task import DETECT
+    from models.deployment.evaluate import evaluate, val_loader
+    from models.deployment.runners import TorchRunner
     from utils.batches import load_data
     data = load_data(demo_data320)
     model = quantize_model(load_float_model(TRAINED_T), QuantRecipe())

@@ -12,13 +12,13 @@ import torch
 from conftest import IMGSZ, REDUCED_SIZE, TRAINED_T, call_cli, run_cli, start_cli, wait_for_file
 from pytorch_quantization import nn as quant_nn
 
-from models.checkpoint import load_float_model, load_quantized_model, save_checkpoint
-from models.evaluate import NMSConfig
-from models.layer_outputs import LayerOutputs
+from models.core.layer_outputs import LayerOutputs
+from models.deployment.evaluate import NMSConfig
 from models.mixed_precision import (MixedPrecision, candidate_quantizers, choose_float_set, conv_macs, float_candidates,
-                                    float_convs, int8_mac_share, keep_float, kept_float)
+                                    int8_mac_share, keep_float, kept_float)
 from models.pipeline import STATE_FILE
-from models.quantize import QuantRecipe, calibrate, named_quantizers, quantize_model
+from models.quantization.checkpoint import load_float_model, load_quantized_model, save_checkpoint
+from models.quantization.quantize import QuantRecipe, calibrate, float_convs, named_quantizers, quantize_model
 from utils.engine_graph import analyse
 from utils.onnx_utils import model_to_onnx
 from utils.qdq_lint import FLOAT_LAYERS_KEY, lint, lint_file, module_of
@@ -131,10 +131,10 @@ def test_each_candidate_measured_from_its_first_layer_equals_its_own_evaluation(
     """candidate_metrics (one pass over the images, each candidate's forward again from the first layer that uses
     it, on the all-INT8 pass's outputs before) gives each candidate the metrics of a whole evaluation with it alone
     in float: the layers before compute the same numbers on the same batch, so equal to the last bit on any CPU."""
-    from models.evaluate import evaluate, val_loader
+    from models.core.task import DETECT
+    from models.deployment.evaluate import evaluate, val_loader
+    from models.deployment.runners import TorchRunner
     from models.mixed_precision import candidate_metrics
-    from models.runners import TorchRunner
-    from models.task import DETECT
     from utils.batches import load_data
     model = copy.deepcopy(ptq_model)
     data = load_data(demo_data)
@@ -250,7 +250,8 @@ def test_quantize_max_loss_names_float_layers_and_exports_clean(max_loss_run, de
     assert e.returncode == 0, e.stderr[-3000:]
     result = json.loads((tmp_path / "export.json").read_text())
     assert result["lint"]["problems"] == 0 and len(result["lint"]["intended_float"]) == len(mp["float_convs"])
-    assert result["parity"]["detections_matched"] >= 0.95  # tolerance: models/export.py (one INT8 step flips)
+    # tolerance: models/deployment/export.py (one INT8 step flips)
+    assert result["parity"]["detections_matched"] >= 0.95
 
 
 def _summary(run_dir):

@@ -69,7 +69,7 @@ def test_auto_keeps_the_best_candidate_and_best_of_never_ships_worse(quantize_ru
     stage, epoch, ap = max(stages, key=lambda t: t[2])
     final = report["final"]
     assert (final["stage"], final["epoch"], final["ap"]) == (stage, epoch, ap) and final["ap"] >= report["ptq"]["ap"]
-    from models.checkpoint import read_checkpoint
+    from models.quantization.checkpoint import read_checkpoint
     assert read_checkpoint(final["file"])["stage"] == stage
     # the select split: held out of the training images, disjoint from calibration, recorded with its fingerprint
     select = {Path(f).name for f in (save_dir / "split" / "select.txt").read_text().split()}
@@ -85,8 +85,8 @@ def test_best_checkpoint_reloads_on_cpu_and_eval_reproduces_the_report(quantize_
     save_dir, _ = quantize_run
     report = json.loads((save_dir / "report.json").read_text())
     best = Path(report["final"]["file"])
-    from models.checkpoint import load_quantized_model
-    from models.quantize import is_quantized
+    from models.quantization.checkpoint import load_quantized_model
+    from models.quantization.quantize import is_quantized
     model = load_quantized_model(best, "cpu")
     assert is_quantized(model)
     r = run_cli("qat.py", "eval", "--weights", best, "--data", demo_data320, *TRAINED_RUN[:2], "--batch-size", 8,
@@ -160,8 +160,8 @@ def test_float_epochs_are_the_controls_then_qat_continues_from_a_new_calibration
     """--float-epochs 1 of 2: epoch 1 is the float control's epoch 1 (same loss, same select mAP: one schedule, the
     same data); then every quantizer is on again with ranges calibrated anew on the fine-tuned weights (the run's
     method, the same images), offered like the first PTQ model; QAT continues from it; the float epoch is never delivered."""
-    from models.checkpoint import read_checkpoint
-    from models.quantize import named_quantizers
+    from models.quantization.checkpoint import read_checkpoint
+    from models.quantization.quantize import named_quantizers
     args = ["quantize", "--weights", TRAINED_T, "--data", demo_data320, *TRAINED_RUN, "--epochs", 2, "--iters", 2,
             "--calib-batches", 2, "--calib-method", "mse", "--project", tmp_path]
     runs = {}
@@ -335,7 +335,7 @@ def test_each_auto_candidate_is_one_qat_command(gelan_t_weights, demo_data):
     with that candidate alone (--add-ranges recalibrates a seed with them): the recipe qat.py builds has the
     candidate's method and percentile."""
     import sys
-    from models.calibrate import AUTO_CANDIDATES, PER_QUANTIZER, calib_method_flags
+    from models.quantization.calibration import AUTO_CANDIDATES, PER_QUANTIZER, calib_method_flags
     call_cli("qat.py", "--help")  # loads the script as a module
     qat = sys.modules["cli_qat"]
     base = ["quantize", "--weights", str(gelan_t_weights), "--data", str(demo_data), "--epochs", "0"]

@@ -10,11 +10,12 @@ from conftest import build_model
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.calibrate import PER_QUANTIZER, HistogramCollector, amax_entropy, amax_mse, amax_percentile
-from models.checkpoint import load_quantized_model, save_checkpoint
-from models.held_state import held
-from models.quantize import (CALIB_METHODS, HISTOGRAM_CANDIDATES, QuantRecipe, calibrate, collect_statistics,
-                             fake_quant, is_quantized, named_quantizers, quantization_disabled, quantize_model, quantizer_counts, skip_patterns)
+from models.quantization.calibration import PER_QUANTIZER, HistogramCollector, amax_entropy, amax_mse, amax_percentile
+from models.quantization.checkpoint import load_quantized_model, save_checkpoint
+from models.quantization.held_state import held
+from models.quantization.quantize import (CALIB_METHODS, HISTOGRAM_CANDIDATES, QuantRecipe, calibrate,
+                                          collect_statistics, fake_quant, is_quantized, named_quantizers,
+                                          quantization_disabled, quantize_model, quantizer_counts, skip_patterns)
 from utils.onnx_utils import unshared_joins
 from utils.onnx_utils import activation_quantize_nodes, model_to_onnx
 
@@ -105,7 +106,7 @@ def test_per_quantizer_calibration_ranges_every_activation_quantizer(tiny_gelan_
     """`per-quantizer` through calibrate(): every activation quantizer gets a finite positive range, one of the
     one-rule candidates' (its search costs a pass per quantizer and candidate: the smallest GELAN with every block;
     tests/test_quantize_ranges.py checks its choices on the trained model)."""
-    from models.checkpoint import load_float_model
+    from models.quantization.checkpoint import load_float_model
     model = quantize_model(load_float_model(tiny_gelan_weights))
     stats = calibrate(model, QuantRecipe(calib_method=PER_QUANTIZER), _images(2))
     acts = dict(named_quantizers(model, activations_only=True))
@@ -260,7 +261,7 @@ def test_evaluation_on_a_cpu_quantizes_as_the_native_kernel_bit_for_bit(amax):
 
 
 def _quantizer(amax):
-    from models.quantize import Int8Quantizer, _activation_desc
+    from models.quantization.quantize import Int8Quantizer, _activation_desc
     q = Int8Quantizer(_activation_desc(QuantRecipe(calib_method="max")))
     q.set_amax(torch.tensor(amax))
     return q
@@ -299,7 +300,7 @@ def test_quantizer_runs_one_kernel_per_call_and_follows_amax_changes():
 
 
 def test_weight_quantizer_matches_the_per_channel_kernel_without_host_syncs():
-    from models.quantize import Int8Quantizer, _weight_desc
+    from models.quantization.quantize import Int8Quantizer, _weight_desc
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(16, 8, 3, 3, generator=g) * torch.rand(16, 1, 1, 1, generator=g) * 4).requires_grad_()
     amax = w.detach().abs().amax(dim=(1, 2, 3), keepdim=True) * 0.7  # some values clip
@@ -343,6 +344,29 @@ def test_disabling_a_layer_changes_the_output(gelan_t):
     assert not torch.equal(base, changed)
     assert torch.equal(base, again)
 
+
+
+@pytest.mark.parametrize("trust", [False, True], ids=["allow-list", "trusted"])
+def test_a_checkpoint_of_the_flat_models_layout_still_loads(trust):
+    """tests/data/tiny-gelan-int8-flat-layout.pt was written by save_checkpoint at commit 2d55ecc, before models/ was
+    split by stage (its pickle names models.quantize.* and models.calibrate.*; tiny_gelan(12) fused, quantized,
+    max-calibrated on two seeded random batches), beside each quantizer's amax. Read now, through the allow-list
+    or fully unpickled: the same quantizers, of the classes where they live now, with the same amax bit for bit."""
+    import models.quantization.quantize as quantize_module
+    from conftest import REPO
+    legacy = REPO / "tests/data/tiny-gelan-int8-flat-layout.pt"
+    assert {n.rsplit(".", 1)[0] for n in torch.serialization.get_unsafe_globals_in_checkpoint(legacy)} >= {
+        "models.quantize", "models.calibrate"}  # the file still names the old modules: this is the case tested
+    model = load_quantized_model(legacy, "cpu", trust=trust)
+    kept = np.load(REPO / "tests/data/tiny-gelan-int8-flat-layout-amax.npz")
+    amax = {n: q.amax.detach().numpy() for n, q in named_quantizers(model) if getattr(q, "amax", None) is not None}
+    assert amax.keys() == set(kept.files) and len(amax) == 81
+    assert all(np.array_equal(amax[n], kept[n]) for n in kept.files)
+    moved = [type(m) for m in model.modules() if type(m).__name__.startswith(("Quant", "Int8"))
+             and type(m).__module__.startswith("models.")]
+    assert moved and all(c is getattr(quantize_module, c.__name__) for c in moved)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.rand(1, 3, 64, 64))[0]).all()
 
 def test_checkpoint_roundtrip_on_cpu(gelan_t, tmp_path):
     calibrate(gelan_t, QuantRecipe(calib_method="percentile", percentile=99.99), _images(1))

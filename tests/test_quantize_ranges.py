@@ -1,4 +1,4 @@
-"""Activation ranges chosen per quantizer (models/quantize_ranges.py) on the trained demo gelan-t and the demo
+"""Activation ranges chosen per quantizer (models/quantization/ranges.py) on the trained demo gelan-t and the demo
 dataset's images: a range that hurts the detector is replaced, and each choice is the one a full forward pass
 would make (the layer-by-layer shortcut changes nothing)."""
 from __future__ import annotations
@@ -9,12 +9,12 @@ import pytest
 import torch
 from conftest import TRAINED_T
 
-from models.checkpoint import load_float_model
-from models.losses import head_distillation
-from models.quantize import (HISTOGRAM_CANDIDATES, QuantRecipe, collect_statistics, named_quantizers,
-                             quantize_model)
-from models.calibrate import PER_QUANTIZER
-from models.quantize_ranges import SEARCH_IMAGES, call_order, search
+from models.core.losses import head_distillation
+from models.quantization.calibration import PER_QUANTIZER
+from models.quantization.checkpoint import load_float_model
+from models.quantization.quantize import (HISTOGRAM_CANDIDATES, QuantRecipe, collect_statistics, named_quantizers,
+                                          quantize_model)
+from models.quantization.ranges import SEARCH_IMAGES, call_order, search
 
 
 @pytest.fixture(scope="module")

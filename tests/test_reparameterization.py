@@ -56,8 +56,8 @@ def test_segmentation_pair_equals_main_branch(tmp_path):
     assert next(saved.parameters()).dtype == torch.float16 and list(saved.names) == list(train.names)
     # what QAT takes: the converted model quantizes, its segmentation head included, under the derived sharing rules
     from pytorch_quantization.nn import QuantConv2d
-    from models.checkpoint import load_float_model
-    from models.quantize import QuantRecipe, calibrate, quantize_model, quantizer_counts
+    from models.quantization.checkpoint import load_float_model
+    from models.quantization.quantize import QuantRecipe, calibrate, quantize_model, quantizer_counts
     from utils.onnx_utils import model_to_onnx, unshared_joins
     model = quantize_model(load_float_model(tmp_path / "seg.pt"))
     calibrate(model, QuantRecipe(calib_method="max"), [x])

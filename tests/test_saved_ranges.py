@@ -1,4 +1,5 @@
-"""Calibrated ranges kept apart from the model (models/saved_ranges.py): saved from a calibration, they rebuild the
+"""Calibrated ranges kept apart from the model (models/quantization/saved_ranges.py): saved from a calibration, they
+rebuild the
 same fake-quantized model from the float weights; ranges that do not fit a model are refused in one line."""
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import pytest
 import torch
 from conftest import IMGSZ, TRAINED_T, build_model, tiny_gelan
 
-from models.checkpoint import load_float_model
+from models.deployment.runners import TorchRunner
 from models.mixed_precision import float_candidates, keep_float
-from models.quantize import QuantRecipe, calibrate, named_quantizers, quantize_model
-from models.runners import TorchRunner
-from models.saved_ranges import read_ranges, rebuild_ptq, save_ranges
+from models.quantization.checkpoint import load_float_model
+from models.quantization.quantize import QuantRecipe, calibrate, named_quantizers, quantize_model
+from models.quantization.saved_ranges import read_ranges, rebuild_ptq, save_ranges
 
 
 @pytest.fixture(scope="module")

@@ -58,12 +58,38 @@ def test_patch_keeps_a_user_file_it_would_replace(tmp_path):
     (fake / "qat.py").write_text("# the user's own qat.py\n")
     r = sh(REPO / "patch_yolov9.sh", fake)
     assert r.returncode == 0, r.stderr
-    assert "copied  models/quantize.py" in r.stdout
+    assert "copied  models/quantization/quantize.py" in r.stdout
     assert (fake / "qat.py.orig").read_text() == "# the user's own qat.py\n"
     assert (fake / "models/yolo.py").read_text() == "# upstream\n"
     r = sh(REPO / "patch_yolov9.sh", fake)
     assert "0 file(s) copied" in r.stdout
 
+
+
+def test_patch_removes_what_an_earlier_overlay_put_there_and_no_longer_has(tmp_path):
+    """A checkout patched before a module moved: the old file is removed (it would shadow nothing, but a reader
+    would take it for the code that runs), the user's file it had replaced is put back, anything else is kept."""
+    fake = tmp_path / "yv"
+    for f in ("models/yolo.py", "models/common.py", "val.py", "train.py", "utils/general.py"):
+        (fake / f).parent.mkdir(parents=True, exist_ok=True)
+        (fake / f).write_text("# upstream\n")
+    assert sh(REPO / "patch_yolov9.sh", fake).returncode == 0
+    (fake / "models/quantize.py").write_text("# the flat layout's module\n")
+    (fake / "models/helpers.py").write_text("# an overlay's helpers.py\n")
+    (fake / "models/helpers.py.orig").write_text("# the user's helpers.py\n")
+    (fake / "models/mine.py").write_text("# the user's, never patched\n")
+    manifest = fake / ".yolov9_qat_files"
+    manifest.write_text(manifest.read_text() + "models/quantize.py\nmodels/helpers.py\n")
+    r = sh(REPO / "patch_yolov9.sh", fake)
+    assert r.returncode == 0, r.stderr
+    assert "removed models/quantize.py" in r.stdout and "2 removed" in r.stdout
+    assert not (fake / "models/quantize.py").exists()
+    assert (fake / "models/helpers.py").read_text() == "# the user's helpers.py\n"
+    assert not (fake / "models/helpers.py.orig").exists()
+    assert (fake / "models/mine.py").is_file()
+    listed = manifest.read_text().split()
+    assert "models/quantize.py" not in listed and "models/quantization/quantize.py" in listed
+    assert "0 removed" in sh(REPO / "patch_yolov9.sh", fake).stdout
 
 # The generator's output on any numpy/OpenCV: computed here (numpy 2.2.6, OpenCV 4.12) and, for the 400/100
 # demo set, found identical on the GPU machine's image (numpy 2.5, OpenCV 5); see make_demo_dataset.py for why.
@@ -185,9 +211,9 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(bench_run, demo
     fit = {Path(f).name for f in (work / "demo" / "split" / "fit.txt").read_text().split()}
     samples = [reports[s]["calibration_images"] for s in (0, 1)]
     assert all(set(names) <= fit for names in samples) and samples[0] != samples[1]
+    from models.core.task import DETECT
     from models.pipeline import RunConfig, calibration_sample
-    from models.quantize import QuantRecipe
-    from models.task import DETECT
+    from models.quantization.quantize import QuantRecipe
     for seed, names in enumerate(samples):  # drawn again from the sampler alone, as --add-peer does
         cfg = RunConfig(str(TRAINED_T), str(demo_data), "", imgsz=IMGSZ, batch_size=2, workers=0, seed=seed,
                         quant=QuantRecipe(calib_batches=1))
@@ -343,7 +369,7 @@ def test_benchmark_add_ranges_recalibrates_a_seed_to_the_same_ranges_and_figures
     to the last digit (same machine, same threads)."""
     import numpy as np
 
-    from models.saved_ranges import read_ranges
+    from models.quantization.saved_ranges import read_ranges
     tmp, args, e, _ = bench_run
     out, work = tmp / "results", tmp / "work"
     folder = out / "demo" / "gelan-t"
@@ -528,7 +554,7 @@ def test_float_training_collects_and_reparameterizes_a_yolov9_run(demo_data, tmp
     inference model, and both files load through the safe loader as float models (the converted one without the
     auxiliary head); train.json records the converted file's sha256."""
     from conftest import build_model, save_float_checkpoint
-    from models.checkpoint import load_float_model, read_checkpoint
+    from models.quantization.checkpoint import load_float_model, read_checkpoint
     from utils.provenance import sha256
     tf = load_script(REPO / "scripts" / "train_float.py", "train_float")
     run_dir = tmp_path / "run"

@@ -62,8 +62,8 @@ def test_quantize_reports_box_and_mask_metrics(seg_run):
 
 def test_segmentation_head_is_quantized_under_the_sharing_rules(seg_run):
     from pytorch_quantization.nn import QuantConv2d
-    from models.checkpoint import load_quantized_model
-    from models.quantize import QuantUpsample
+    from models.quantization.checkpoint import load_quantized_model
+    from models.quantization.quantize import QuantUpsample
     from utils.onnx_utils import model_to_onnx, unshared_joins
     model = load_quantized_model(seg_run[0] / "weights" / "qat_best_gelan-t-seg-demo.pt")
     head = model.model[-1]
@@ -110,8 +110,8 @@ def test_export_has_predictions_and_prototypes_and_is_lint_clean(seg_onnx):
     # order, so values on an INT8 rounding boundary flip one step and carry it downstream. How many flip depends on
     # the CPU's kernels and thread count (the predictions' norm-relative error was 0.006 to 0.028 across CPUs and
     # 1 or 2 threads, the prototypes' 0.05 to 0.10), so no raw-output norm is bounded here. What holds on any kernels
-    # is what a flip cannot do: remove a detection or move it past the tolerances of models/export.py (IoU 0.8,
-    # score 0.1), which a wrong scale, a missing quantizer or a transposed axis does for most boxes. The masks the
+    # is what a flip cannot do: remove a detection or move it past the tolerances of models/deployment/export.py (IoU
+    # 0.8, score 0.1), which a wrong scale, a missing quantizer or a transposed axis does for most boxes. The masks the
     # prototypes make are bounded by the mask mAP comparison below.
     parity = summary["parity"]
     assert set(parity["rel_err"]) == {"output0", "output1"}, parity
@@ -130,9 +130,9 @@ def test_fp16_export_for_strongly_typed_engines(seg_run, tmp_path):
 @pytest.fixture(scope="module")
 def plain_ort(seg_onnx, seg_data) -> dict:
     """The plain FP32 graph's box and mask metrics in ONNX Runtime (batch 4), by the one evaluation loop."""
-    from models.evaluate import evaluate, val_loader
-    from models.runners import OnnxRuntimeRunner
-    from models.task import SEGMENT
+    from models.core.task import SEGMENT
+    from models.deployment.evaluate import evaluate, val_loader
+    from models.deployment.runners import OnnxRuntimeRunner
     from utils.batches import load_data
     data = load_data(seg_data)
     return evaluate(OnnxRuntimeRunner(seg_onnx[1]), val_loader(SEGMENT, data, SIZE, 4, 0), SEGMENT, data["nc"])
@@ -143,9 +143,9 @@ def test_onnxruntime_box_and_mask_map_equal_pytorch(seg_onnx, plain_ort, seg_dat
     ONNX Runtime running its export. As for detection (test_val_trt.py), only the summation order inside the
     convolutions differs, which flips a few INT8 roundings and moves a few boxes (and their masks) by a step: box
     and mask mAP within three boxes of the rarest class (conftest.one_box)."""
-    from models.evaluate import evaluate, val_loader
-    from models.runners import open_runner
-    from models.task import SEGMENT
+    from models.core.task import SEGMENT
+    from models.deployment.evaluate import evaluate, val_loader
+    from models.deployment.runners import open_runner
     from utils.batches import load_data
     weights, _, _ = seg_onnx
     data = load_data(seg_data)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import REPO, SHARED, TRAINED_T, call_cli, end2end_result, one_box, run_cli
 
-from models.checkpoint import load_float_model, save_checkpoint
-from models.quantize import QuantRecipe, calibrate, quantize_model
+from models.quantization.checkpoint import load_float_model, save_checkpoint
+from models.quantization.quantize import QuantRecipe, calibrate, quantize_model
 from utils.batches import load_data
 
 REFERENCE = (SHARED or REPO) / "reference" / "002_fd809eff222b6c94.txt"
@@ -64,9 +64,9 @@ def test_onnxruntime_backend_equals_pytorch(fp32_graph, demo_data320):
     confidence where the smoothed F1 curve peaks; that curve is flat near its top, so a few flips move the peak
     along it and trade precision for recall (seen with AVX2 kernels on one thread: P 0.334 vs 0.361, R 0.542 vs
     0.516). Their F1 is what stays put (0.413 vs 0.425 there): it gets 0.025."""
-    from models.evaluate import evaluate, val_loader
-    from models.runners import OnnxRuntimeRunner, open_runner
-    from models.task import DETECT
+    from models.core.task import DETECT
+    from models.deployment.evaluate import evaluate, val_loader
+    from models.deployment.runners import OnnxRuntimeRunner, open_runner
     weights, onnx_path = fp32_graph
     data = load_data(demo_data320)
     loader = val_loader(DETECT, data, SIZE, 4, 0)
@@ -83,10 +83,10 @@ def test_onnxruntime_backend_equals_pytorch(fp32_graph, demo_data320):
 def test_detections_match_box_for_box(fp32_graph, demo_data320):
     """Per detection on a trained model, FP32 graph (PyTorch's arithmetic): every reference box scoring 0.1 above
     the threshold has a candidate of the same class, IoU >= 0.8 and score within 0.1 in ONNX Runtime's raw output
-    (models/export.py says why these bounds hold on any x86 CPU's kernels)."""
+    (models/deployment/export.py says why these bounds hold on any x86 CPU's kernels)."""
     import export_qat
-    from models.checkpoint import load_for_export
-    from models.export import verify_parity
+    from models.deployment.export import verify_parity
+    from models.quantization.checkpoint import load_for_export
     weights, onnx_path = fp32_graph
     images = export_qat.verification_images(str(demo_data320), SIZE, 4, 10)  # all 40 val images
     parity = verify_parity(load_for_export(weights), onnx_path, images)
@@ -239,7 +239,7 @@ def test_nms_is_upstreams_without_its_clock(demo_data320, monkeypatch):
     it would depend on the load. Ours reads no clock, so a clock that jumps changes nothing."""
     import export_qat
     import utils.general
-    from models.evaluate import NMSConfig, multi_label_nms
+    from models.deployment.evaluate import NMSConfig, multi_label_nms
     model = load_float_model(TRAINED_T).eval()
     images = export_qat.verification_images(str(demo_data320), SIZE, 4, 1)[0]
     with torch.no_grad():
@@ -266,8 +266,8 @@ def test_select_batches_are_decoded_once_and_the_same_on_every_pass(seg_data, tm
     without reading an image file again (they are gone by then); a pass left early keeps nothing, and a split whose
     images would not fit the limit is streamed as before."""
     import yaml
-    from models.evaluate import FirstBatches, KeptBatches, kept_in_memory, val_loader
-    from models.task import SEGMENT
+    from models.core.task import SEGMENT
+    from models.deployment.evaluate import FirstBatches, KeptBatches, kept_in_memory, val_loader
     copy = tmp_path / "data"
     shutil.copytree(seg_data.parent, copy)
     data = {**yaml.safe_load(seg_data.read_text()), "path": str(copy)}

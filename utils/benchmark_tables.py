@@ -22,7 +22,7 @@ from utils.provenance import overlay_repo
 from utils.results import difference, fmt, fmt_difference, render_files, spread
 
 REPO = overlay_repo()
-PER_QUANTIZER = "per-quantizer"  # ranges chosen quantizer by quantizer (models/quantize_ranges.py)
+PER_QUANTIZER = "per-quantizer"  # ranges chosen quantizer by quantizer (models/quantization/ranges.py)
 
 
 def summarize(e: dict) -> dict:

@@ -14,7 +14,7 @@ writes DIR/fit.txt and DIR/select.txt (absolute image paths) and DIR/split.yaml:
 A `qat.py` run asks once (`split_for` with its `SelectConfig`: carved from the training images, the val images of
 `--select-data`, or with `--no-select` the val images) and gets a `SelectSplit` that writes the run's
 `split/select.txt` (and `split/fit.txt`, what calibration and fine-tuning read) and describes itself for
-report.json; the choices made on it are models/selection.py's.
+report.json; the choices made on it are models/core/selection.py's.
 """
 from __future__ import annotations
 

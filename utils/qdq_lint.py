@@ -28,7 +28,7 @@ from utils.onnx_fp16 import float_types, fp32_compute_nodes
 from utils.onnx_utils import constant_values, producers, unshared_joins
 
 _CONV_OPS = ("Conv", "ConvTranspose")
-# Convs left in float on purpose (models.quantize.QuantRecipe.never_quantize): DFL's fixed box decoder.
+# Convs left in float on purpose (models.quantization.quantize.QuantRecipe.never_quantize): DFL's fixed box decoder.
 ALLOWED_FLOAT_CONVS = (r"/dfl/",)
 FLOAT_LAYERS_KEY = "yolov9_qat.float_layers"  # ONNX metadata: JSON list of the Conv nodes kept in float on purpose
 

@@ -9,7 +9,8 @@ so nothing is edited there), and never twice:
 - `torch.load(...)` without `weights_only`: PyTorch 2.6 changed the default to True, and upstream's checkpoints
   are whole pickled models, so train.py --weights, --resume, val.py, detect.py and export.py fail. Each such call
   gets `weights_only=False`, which is what those scripts did before PyTorch 2.6: they unpickle fully, so load only
-  checkpoints you trust. (This toolkit's own tools read checkpoints through an allow-list: models/checkpoint.py.)
+  checkpoints you trust. (This toolkit's own tools read checkpoints through an allow-list:
+  models/quantization/checkpoint.py.)
 - `check_font` downloads Arial.ttf on first use and stops train.py/val.py when offline: a failed download now
   warns and plots use PIL's default font.
 - Pillow 10 removed `FreeTypeFont.getsize`, used to size plot labels: `getbbox` gives the same width and height.

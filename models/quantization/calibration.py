@@ -5,7 +5,7 @@ Drop-in replacement for pytorch-quantization 2.1.3's HistogramCalibrator: same i
 - the histogram is a function of the values seen, not of how they were batched: bins are 2^k wide, k the
   smallest for which the largest |x| seen fits in `num_bins` bins, and a value's bin is floor(|x| / width)
   (exact for a power of two). A wider range merges whole bins, so one process, any batch size and any number
-  of ranks combined (models/distributed.py) hold the same counts, bin for bin (2.1.3 fixes its edges by the
+  of ranks combined (models/core/distributed.py) hold the same counts, bin for bin (2.1.3 fixes its edges by the
   first batch and can end up one bin off: 2049 vs 2048);
 - the exact maximum is kept too, so `max` and every histogram method come from one pass over the data;
 - `mse` and `entropy` evaluate every candidate amax at once as a matrix instead of a Python loop
@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
+from models.core.distributed import World
+
 AMAX_METHODS = ("max", "mse", "percentile", "entropy")
-PER_QUANTIZER = "per-quantizer"  # each quantizer's pick among the candidates below (models/quantize_ranges.py)
+PER_QUANTIZER = "per-quantizer"  # each quantizer's pick among the candidates below (models/quantization/ranges.py)
 # What `auto` measures: every method, and the percentile at the three values TensorRT users commonly take.
 HISTOGRAM_CANDIDATES: dict[str, tuple[str, float | None]] = {
     "max": ("max", None), "mse": ("mse", None), "entropy": ("entropy", None),
@@ -207,3 +210,29 @@ def amax_entropy(hist: torch.Tensor, edges: torch.Tensor, num_bits: int = 8, uns
     divergences = torch.where((last == 0) & (tail > 0), math.inf, divergences)  # mass where the quantized has none
     best = divergences.numel() - 1 - int(torch.argmin(divergences.flip(0)))
     return edges[int(candidates[best])].float().cpu()
+
+
+# The ranks' statistics of one calibration (models/core/distributed.py runs the ranks)
+def combine_statistics(collectors: list[HistogramCollector], world: World) -> None:
+    """Every rank's histograms and maxima into every rank's collectors: the counts one collector would hold."""
+    if not world.distributed:
+        return
+    gathered = world.all_gather([None if c.hist is None else (c.hist.cpu().numpy(), c._width, c.max)
+                                 for c in collectors])
+    for k, c in enumerate(collectors):
+        states = [states[k] for states in gathered if states[k] is not None]
+        if states:
+            hist, width, x_max = merge_histograms(states)
+            c.set_state(torch.from_numpy(hist).to(c.hist.device if c.hist is not None else "cpu"), width, x_max)
+
+
+def merge_histograms(states: list[tuple[np.ndarray, float, float]]) -> tuple[np.ndarray, float, float]:
+    """(counts, width, max) of several collectors as one: the widest grid (every width is a power of two, so it is
+    a whole multiple of the others), bins summed, up to the bin of the largest maximum."""
+    width = max(w for _, w, _ in states)
+    x_max = max(m for _, _, m in states)
+    total = np.zeros(int(x_max // width) + 1)
+    for hist, w, _ in states:
+        factor = int(width // w)
+        np.add.at(total, np.arange(len(hist)) // factor, hist)
+    return total, width, x_max

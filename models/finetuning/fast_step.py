@@ -9,11 +9,11 @@ backward), and on a GPU the kernels are shorter than their launches: the GPU wai
   fake quantization (TensorRT's symmetric ranges, one op each), activations, residual adds and average pooling also
   fuse into few kernels; the "cudagraphs" backend (`--step cudagraphs`) captures the same ops unfused, for a
   fraction of the compile time;
-- steps Adam with its fused kernel (models/finetune.py `optimizer_for`).
+- steps Adam with its fused kernel (models/finetuning/finetune.py `optimizer_for`).
 Between the compiled forward and backward, the loss runs eagerly: upstream's target assignment reads counts back to
 the host and changes shape with every batch. The compile costs its first step; `--step auto` compiles only where
 the planned iterations repay it (`AUTO`). Where the step is not compiled it runs eagerly, and the log says why once.
-The scales the compiled forward reads are held per epoch (models/held_state.py says what invalidates them).
+The scales the compiled forward reads are held per epoch (models/quantization/held_state.py says what invalidates them).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one evaluation loop: COCO-style box (and mask) mAP of any runner (models/runners.py) on a dataset.
+"""The one evaluation loop: COCO-style box (and mask) mAP of any runner (models/deployment/runners.py) on a dataset.
 
 PyTorch, ONNX Runtime and TensorRT are measured through the same code: the same square letterbox (the input a
 deployed engine of fixed height and width sees), the same NMS, the same matching and upstream's `ap_per_class`.
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import torchvision
 from tqdm import tqdm
 
-from models.task import Task
+from models.core.task import Task
 from utils.general import LOGGER, TQDM_BAR_FORMAT, colorstr, scale_boxes, xywh2xyxy
 from utils.metrics import ap_per_class, box_iou
 

@@ -22,11 +22,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from models.fast_step import EAGER, StepPlan, begin_step, teacher_mode
-from models.held_state import held
-from models.losses import feature_maps, head_distillation
-from models.quantize import learnable_amax_parameters
-from models.task import task_of
+from models.core.losses import feature_maps, head_distillation
+from models.core.task import task_of
+from models.finetuning.fast_step import EAGER, StepPlan, begin_step, teacher_mode
+from models.quantization.held_state import held
+from models.quantization.quantize import learnable_amax_parameters
 from utils.general import TQDM_BAR_FORMAT
 
 DISTILL_TARGETS = ("head", "layers", "none")
@@ -124,7 +124,7 @@ class QATObjective:
     Call with a batch (images 0-1, upstream targets, instance masks for segmentation); returns the total loss
     and its parts (floats). `forward` runs the student (a DistributedDataParallel wrapper of it, in a distributed
     job); the layer taps and the loss read the student itself. `teacher_forward` runs the teacher (compiled, in
-    the fast step: models/fast_step.py). Use as a context manager: the layer hooks are removed on exit.
+    the fast step: models/finetuning/fast_step.py). Use as a context manager: the layer hooks are removed on exit.
     """
 
     def __init__(self, recipe: QATRecipe, student: nn.Module, teacher: nn.Module, hyp: dict | None = None,

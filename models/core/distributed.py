@@ -7,7 +7,7 @@ GPUs, gloo on CPUs), as upstream YOLOv9 trains.
 - Calibration: each rank collects statistics on its share of the calibration batches; the statistics are then
   combined (histograms summed on one grid, maxima reduced), so every rank holds the same quantizers, equal to those
   of one process calibrating on the union of the same batches, whatever the per-rank batch size: a histogram's
-  bins depend on the values seen alone (models/calibrate.py).
+  bins depend on the values seen alone (models/quantization/calibration.py).
 - Fine-tuning: the student runs under DistributedDataParallel (gradients averaged over ranks), the teacher is
   replicated, and a step covers the global --batch-size; a re-run or resumed job sees the same data.
 - Rank 0 alone evaluates and writes checkpoints and report.json; the others wait for it.
@@ -19,12 +19,9 @@ import datetime
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-from models.calibrate import HistogramCollector
 
 TIMEOUT_MIN = int(os.environ.get("YOLOV9_QAT_DIST_TIMEOUT_MIN", "30"))  # a dead rank ends the job, not a hang
 
@@ -93,31 +90,6 @@ def shutdown_after(world: World):
 # --------------------------------------------------------------------------------------------------
 # Calibration
 # --------------------------------------------------------------------------------------------------
-def combine_statistics(collectors: list[HistogramCollector], world: World) -> None:
-    """Every rank's histograms and maxima into every rank's collectors: the counts one collector would hold."""
-    if not world.distributed:
-        return
-    gathered = world.all_gather([None if c.hist is None else (c.hist.cpu().numpy(), c._width, c.max)
-                                 for c in collectors])
-    for k, c in enumerate(collectors):
-        states = [states[k] for states in gathered if states[k] is not None]
-        if states:
-            hist, width, x_max = merge_histograms(states)
-            c.set_state(torch.from_numpy(hist).to(c.hist.device if c.hist is not None else "cpu"), width, x_max)
-
-
-def merge_histograms(states: list[tuple[np.ndarray, float, float]]) -> tuple[np.ndarray, float, float]:
-    """(counts, width, max) of several collectors as one: the widest grid (every width is a power of two, so it is
-    a whole multiple of the others), bins summed, up to the bin of the largest maximum."""
-    width = max(w for _, w, _ in states)
-    x_max = max(m for _, _, m in states)
-    total = np.zeros(int(x_max // width) + 1)
-    for hist, w, _ in states:
-        factor = int(width // w)
-        np.add.at(total, np.arange(len(hist)) // factor, hist)
-    return total, width, x_max
-
-
 # --------------------------------------------------------------------------------------------------
 # Fine-tuning
 # --------------------------------------------------------------------------------------------------

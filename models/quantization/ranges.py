@@ -1,14 +1,14 @@
 """Activation ranges chosen per quantizer by what they do to the detector's outputs (`--calib-method
-per-quantizer`; not one of `auto`'s candidates: models/calibrate.py says why).
+per-quantizer`; not one of `auto`'s candidates: models/quantization/calibration.py says why).
 
 The other calibration methods give every activation quantizer a range by one rule (max, mse, entropy, a
 percentile), each judged on the histogram of its own input. Here each quantizer takes whichever of those ranges
 does least harm to what the model outputs, measured as QAT's distillation loss against the float model
-(models/losses.py: class scores, and box distributions where the float model sees objects) on a few calibration
+(models/core/losses.py: class scores, and box distributions where the float model sees objects) on a few calibration
 images. Quantizers are visited in the order the forward first calls them, the earlier ones at their chosen ranges,
 the later ones off (float), the weights INT8, and each candidate range is tried by running the network from the
 first layer that reads the quantizer (the earlier layers' outputs are kept). A quantizer shared by several modules
-(TensorRT's scale-sharing groups are one object, models/quantize_rules.py) is chosen once.
+(TensorRT's scale-sharing groups are one object, models/quantization/rules.py) is chosen once.
 
 The error at the reading conv's own output is no guide: on trained gelan-s (helmet, select split) ranges chosen
 by it scored below every single method (the clipping that lowers a conv's mean squared error drops the rare large
@@ -25,8 +25,8 @@ import torch.nn as nn
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 from tqdm import tqdm
 
-from models.layer_outputs import LayerOutputs
-from models.losses import head_distillation
+from models.core.layer_outputs import LayerOutputs
+from models.core.losses import head_distillation
 
 SEARCH_IMAGES = 16  # the first calibration images: the error is compared on these
 

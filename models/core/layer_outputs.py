@@ -1,5 +1,5 @@
 """One batch's forward kept layer by layer, so that a forward with a change inside top-level layer k reruns
-layers k.. only. The per-quantizer range search (models/quantize_ranges.py: a pass per quantizer and candidate
+layers k.. only. The per-quantizer range search (models/quantization/ranges.py: a pass per quantizer and candidate
 range) and mixed precision's ranking (models/mixed_precision.py: a pass per INT8 tensor class) run this way.
 
 The rule: `run(start)` computes on the kept outputs of the layers before `start`; they are valid while nothing

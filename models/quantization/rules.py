@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 
-from models.held_state import held
+from models.quantization.held_state import held
 from utils.onnx_utils import constant_values, model_to_onnx, quantized_classes, scale_of
 
 _MARKER_STEP = 1.0 / 1024  # distinct markers survive float32 scale = amax / 127 exactly enough
@@ -47,7 +47,7 @@ def derive_shared_groups(model: nn.Module, imgsz: int = 64,
             q.disable()
         for k, q in enumerate(quantizers):
             q.set_amax(torch.tensor(_marker(k), device=device))
-        with held(model):  # the markers traced as constants (models/held_state.py)
+        with held(model):  # the markers traced as constants (models/quantization/held_state.py)
             graph = model_to_onnx(model, imgsz).graph
     finally:
         for q in weights:

@@ -2,19 +2,19 @@
 
 The one place that owns quantization: which modules get quantizers (a declarative `QuantRecipe`),
 the quantized module variants, calibration, checkpoints. The TensorRT scale-sharing rules are derived
-in `models/quantize_rules.py`.
+in `models/quantization/rules.py`.
 
 Quantizers are pytorch-quantization's `TensorQuantizer` (its modules, state and Q/DQ export format),
 with two speed/correctness changes kept in `Int8Quantizer`:
 - fake quantization runs through PyTorch's native fused kernels with scales computed once per epoch or
-  evaluation (models/held_state.py: no host sync and one to three kernels per quantizer and step; FP16
+  evaluation (models/quantization/held_state.py: no host sync and one to three kernels per quantizer and step; FP16
   activations stay FP16), using the same [-128, 127] range that the exported QuantizeLinear and TensorRT
   use, so the model that is trained and evaluated is the model that is deployed;
-- calibration histograms use `models.calibrate.HistogramCollector` (fast, CPU and GPU, independent of batching).
+- calibration histograms use `models.quantization.calibration.HistogramCollector` (fast, CPU and GPU, independent of batching).
 
 Calibration collects statistics once (`collect_statistics`); every candidate range (max, mse, entropy, three
 percentiles) is computed from those same statistics, so `--calib-method auto` can measure each candidate and keep
-the best (models/selection.py) for the cost of one pass over the calibration images.
+the best (models/core/selection.py) for the cost of one pass over the calibration images.
 """
 from __future__ import annotations
 
@@ -34,13 +34,14 @@ from pytorch_quantization import nn as quant_nn
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 from pytorch_quantization.tensor_quant import QuantDescriptor
 
-from models.calibrate import (AMAX_METHODS, AUTO_CANDIDATES, HISTOGRAM_CANDIDATES, PER_QUANTIZER,  # noqa: F401
-                              HistogramCollector)
-from models.distributed import World, combine_statistics
 from models.common import AConv, ADown, Concat, RepNBottleneck
-from models.quantize_ranges import SEARCH_IMAGES, search
+from models.core.distributed import World
+from models.quantization.calibration import (AMAX_METHODS, AUTO_CANDIDATES, HISTOGRAM_CANDIDATES,  # noqa: F401
+                                             PER_QUANTIZER, HistogramCollector, combine_statistics)
+from models.quantization.ranges import SEARCH_IMAGES, search
 
 CALIB_METHODS = ("auto",) + AMAX_METHODS + (PER_QUANTIZER,)
+CONVS = (nn.Conv2d, quant_nn.QuantConv2d)  # pytorch-quantization's conv is no nn.Conv2d subclass
 _MIN_AMAX = 1e-6  # TensorRT rejects a zero scale; a channel that is all zeros gets this instead
 
 
@@ -60,7 +61,7 @@ class QuantRecipe:
     # DFL decodes box distributions with fixed weights; INT8 there costs box precision, saves nothing.
     never_quantize: tuple[str, ...] = (r"\.dfl(\.|$)",)
     share_add_inputs: bool = True      # residual Add inputs use one scale (TensorRT fuses Conv+Add)
-    # TensorRT's scale-sharing rules (models/quantize_rules.py). Off only to measure what they cost in accuracy:
+    # TensorRT's scale-sharing rules (models/quantization/rules.py). Off only to measure what they cost in accuracy:
     # the export then has joins with several scales, where TensorRT inserts reformat layers.
     share_rules: bool = True
 
@@ -119,7 +120,7 @@ def quant_params(amax: torch.Tensor, num_bits: int = 8) -> QuantParams:
     """Scale and zero point for symmetric INT8 from amax, as host values / plain tensors.
 
     Built outside the autograd and ONNX traces, so the exported scale is a constant, and held for a whole training
-    epoch or evaluation (models/held_state.py), so a step neither recomputes them nor waits on the GPU.
+    epoch or evaluation (models/quantization/held_state.py), so a step neither recomputes them nor waits on the GPU.
     """
     bound = 2 ** (num_bits - 1) - 1
     scale = amax.detach().float().clamp_min(_MIN_AMAX).cpu().numpy() / bound
@@ -182,7 +183,7 @@ def fake_quant(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.
 class Int8Quantizer(TensorQuantizer):
     """TensorQuantizer with native fake-quant kernels and device-safe checkpoint loading."""
 
-    _held = None  # the values of an open models.held_state.held block (class default: also for unpickled quantizers)
+    _held = None  # the values of an open models.quantization.held_state.held block (class default: also for unpickled quantizers)
 
     def __init__(self, quant_desc: QuantDescriptor):
         super().__init__(quant_desc)
@@ -195,10 +196,10 @@ class Int8Quantizer(TensorQuantizer):
             return fake_quant(inputs, self._get_amax(inputs), self._num_bits)
         if amax.requires_grad and torch.is_grad_enabled() and not torch.onnx.is_in_onnx_export():
             return fake_quant_learnable(inputs, amax, self._num_bits)
-        if self._held is not None:  # inside a block of models/held_state.py: the scale computed at its start
+        if self._held is not None:  # inside a block of models/quantization/held_state.py: the scale computed at its start
             return self._held.fake_quant(inputs)
         if torch.compiler.is_compiling():  # a trace cannot read amax back to the host
-            raise RuntimeError("a compiled forward reached a quantizer outside a models.held_state.held block")
+            raise RuntimeError("a compiled forward reached a quantizer outside a models.quantization.held_state.held block")
         return fake_quant(inputs, amax, self._num_bits)
 
     def __getstate__(self) -> dict:  # a block's values belong to the block: never pickled or deep-copied
@@ -208,7 +209,7 @@ class Int8Quantizer(TensorQuantizer):
 
     def _check_not_held(self) -> None:
         if self._held is not None:
-            raise RuntimeError("a range changed inside a block that holds it fixed (models/held_state.py)")
+            raise RuntimeError("a range changed inside a block that holds it fixed (models/quantization/held_state.py)")
 
     def set_amax(self, amax: torch.Tensor) -> None:
         self._check_not_held()
@@ -386,17 +387,31 @@ def _replace_modules(module: nn.Module, recipe: QuantRecipe, prefix: str = "") -
 # --------------------------------------------------------------------------------------------------
 # Model-level API
 # --------------------------------------------------------------------------------------------------
+def float_convs(model: nn.Module, recipe: QuantRecipe = QuantRecipe()) -> list[str]:
+    """The convs of a quantized model that compute in float by choice (--skip-layers, mixed precision), not by
+    design (the recipe's never_quantize: DFL)."""
+    if not is_quantized(model):
+        return []
+    out = []
+    for name, m in model.named_modules():
+        if not isinstance(m, CONVS) or any(re.search(p, name) for p in recipe.never_quantize):
+            continue
+        if not isinstance(m, quant_nn.QuantConv2d) or m._weight_quantizer._disabled:
+            out.append(name)
+    return out
+
+
 def quantize_model(model: nn.Module, recipe: QuantRecipe = QuantRecipe(), imgsz: int = 64) -> nn.Module:
     """Insert quantizers into a fused (reparameterized) float YOLO model, in place.
 
     With `recipe.share_rules`, quantizers that TensorRT must give one scale are made one object
-    (see `models.quantize_rules`), so calibration and QAT see them as one.
+    (see `models.quantization.rules`), so calibration and QAT see them as one.
     """
     if is_quantized(model):
         raise ValueError("model is already quantized")
     _replace_modules(model, recipe)
     if recipe.share_rules:
-        from models.quantize_rules import share_quantizers  # rules need the quantized model first
+        from models.quantization.rules import share_quantizers  # rules need the quantized model first
         share_quantizers(model, imgsz=imgsz, share_add_inputs=recipe.share_add_inputs)
     return model
 
@@ -521,7 +536,7 @@ def collect_statistics(model: nn.Module, recipe: QuantRecipe, batches: Iterable[
                        world: World = World()) -> ActivationStatistics:
     """One pass over `batches` (on the model's device, float, 0-1 scaled): the histogram and maximum of every
     enabled activation quantizer's input, and the per-channel weight ranges. In a distributed job each rank passes
-    its share of the calibration images and gets the combined statistics (models/distributed.py)."""
+    its share of the calibration images and gets the combined statistics (models/core/distributed.py)."""
     with quiet_quantizers():
         return _collect_statistics(model, recipe, batches, world)
 
@@ -580,9 +595,9 @@ def search_images(kept: list[torch.Tensor], world: World, device: torch.device) 
 def calibrate(model: nn.Module, recipe: QuantRecipe, batches: Iterable[torch.Tensor], world: World = World()
               ) -> ActivationStatistics:
     """PTQ with one fixed method: statistics over `batches`, then every amax by `recipe.calib_method`.
-    (`auto` measures candidates on a select split: models/selection.py.)"""
+    (`auto` measures candidates on a select split: models/core/selection.py.)"""
     if recipe.calib_method == "auto":
-        raise ValueError("calib_method 'auto' chooses by measuring: use models.selection.choose_calibration")
+        raise ValueError("calib_method 'auto' chooses by measuring: use models.core.selection.choose_calibration")
     stats = collect_statistics(model, recipe, batches, world)
     stats.apply(next(iter(stats.candidates)))
     return stats

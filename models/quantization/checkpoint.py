@@ -20,18 +20,22 @@ import pickle
 import shutil
 from functools import lru_cache
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn as nn
 
-from models.quantize import freeze_amax, is_quantized
+from models.quantization.quantize import freeze_amax, is_quantized
 from utils.general import LOGGER
 from utils.io_utils import atomic_write
 
-_MODULE_PACKAGES = ("torch.nn", "models.common", "models.yolo", "models.quantize",
+_MODULE_PACKAGES = ("torch.nn", "models.common", "models.yolo", "models.quantization.quantize",
                     "pytorch_quantization.nn", "pytorch_quantization.nn.modules.quant_conv",
                     "pytorch_quantization.nn.modules.quant_pooling", "pytorch_quantization.nn.modules.tensor_quantizer")
-_CALIBRATOR_PACKAGES = ("pytorch_quantization.calib", "models.calibrate")
+_CALIBRATOR_PACKAGES = ("pytorch_quantization.calib", "models.quantization.calibration")
+# Where checkpoints written before models/ was split by stage name this overlay's classes: the module a pickle
+# names is looked up here first, so those files load as they did.
+MOVED_MODULES = {"models.quantize": "models.quantization.quantize", "models.calibrate": "models.quantization.calibration"}
 
 
 def _numpy_values() -> list:
@@ -57,6 +61,26 @@ def allowed_classes() -> tuple:
     return tuple(sorted(classes, key=lambda c: f"{c.__module__}.{getattr(c, '__qualname__', c.__name__)}"))
 
 
+def _former_names() -> list[tuple[type, str]]:
+    """The allowed classes of moved modules under the names older checkpoints give them."""
+    former = {new: old for old, new in MOVED_MODULES.items()}
+    return [(c, f"{former[c.__module__]}.{c.__qualname__}") for c in allowed_classes() if c.__module__ in former]
+
+
+class _FormerNamesUnpickler(pickle.Unpickler):
+    """Full unpickling (--trust-checkpoint) that finds classes of moved modules where they are now."""
+
+    def find_class(self, module: str, name: str):
+        return super().find_class(MOVED_MODULES.get(module, module), name)
+
+
+def _former_names_pickle() -> ModuleType:
+    """`pickle` with the unpickler above, in the form torch.load's pickle_module takes."""
+    module = ModuleType("former_names_pickle")
+    module.Unpickler, module.load = _FormerNamesUnpickler, pickle.load
+    return module
+
+
 def _forward_getattr(obj, name: str):
     """getattr for unpickling: `forward*` methods of allowed module classes (or their instances) only."""
     cls = obj if isinstance(obj, type) else type(obj)
@@ -70,7 +94,7 @@ def _allowed_globals_in(path: Path) -> list:
     unpickling): torch's restricted unpickler looks each reference up in the whole list, ~0.3 s a load with all of
     it. numpy's values stay whole: a pickled dtype names `numpy.dtype` and unpickles as a subclass of it that the
     unpickler checks too. A file it cannot scan gets the whole list, and torch.load then says what is wrong."""
-    every = [*allowed_classes(), (_forward_getattr, "builtins.getattr")]
+    every = [*allowed_classes(), *_former_names(), (_forward_getattr, "builtins.getattr")]
     try:
         referenced = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
     except Exception:
@@ -104,13 +128,13 @@ def read_checkpoint(weights: str | Path, trust: bool = False, flag: str = "--wei
 
 def _load_untrusted(path: Path, flag: str) -> dict:
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_former_names_pickle())
     except Exception as e:
         raise ValueError(f"{flag} {path}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
 
 
 def _unsafe_globals(path: Path) -> str:
-    allowed = {f"{c.__module__}.{c.__qualname__}" for c in allowed_classes()}
+    allowed = {f"{c.__module__}.{c.__qualname__}" for c in allowed_classes()} | {n for _, n in _former_names()}
     try:
         names = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path)
                  if g not in allowed and g != "builtins.getattr"]

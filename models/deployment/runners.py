@@ -1,5 +1,5 @@
 """Runners: a batch of float 0-1 NCHW images in, a dict of named output tensors out, for PyTorch, ONNX Runtime
-and TensorRT alike, so that one evaluation loop (models/evaluate.py) measures all three the same way. A runner may
+and TensorRT alike, so that one evaluation loop (models/deployment/evaluate.py) measures all three the same way. A runner may
 offer `held()`: the block one evaluation runs it in."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from onnx import TensorProto
 
-from models.task import Task, task_of, task_of_outputs
+from models.core.task import Task, task_of, task_of_outputs
 from utils.onnx_utils import detect_export_mode
 
 ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
@@ -32,8 +32,8 @@ class TorchRunner:
 
     def held(self) -> ContextManager[None]:
         """One evaluation's block: the quantizers' scales and the fake-quantized weights computed once for all its
-        batches (models/held_state.py)."""
-        from models.held_state import held  # pytorch-quantization: only for PyTorch models
+        batches (models/quantization/held_state.py)."""
+        from models.quantization.held_state import held  # pytorch-quantization: only for PyTorch models
         return held(self.model, weights=True)
 
     def __call__(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -41,7 +41,7 @@ class TorchRunner:
 
     @torch.no_grad()
     def run(self, forward: Callable[[], object]) -> dict[str, torch.Tensor]:
-        """`forward()` (the model on images, or a pass over some of its layers: models/layer_outputs.py) with the
+        """`forward()` (the model on images, or a pass over some of its layers: models/core/layer_outputs.py) with the
         model in eval and export mode, its outputs named."""
         was_training = self.model.training
         self.model.eval()
@@ -182,7 +182,7 @@ def open_runner(path: str | Path, device: str = "cpu", trust: bool = False, flag
         return TensorRTRunner(path, _cuda(device) or "cuda:0")
     if path.suffix == ".onnx":
         return OnnxRuntimeRunner(path)
-    from models.checkpoint import load_for_export  # pytorch-quantization: only for PyTorch checkpoints
+    from models.quantization.checkpoint import load_for_export  # pytorch-quantization: only for PyTorch checkpoints
     device = _cuda(device) if _cuda(device) and torch.cuda.is_available() else "cpu"
     return TorchRunner(load_for_export(path, device, trust=trust), device)
 

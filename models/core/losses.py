@@ -1,6 +1,6 @@
 """What a quantized detector is taught, and judged, by: the difference between its head's outputs and the float
-model's. QAT distils with it (models/finetune.py); the per-quantizer ranges are chosen by it
-(models/quantize_ranges.py)."""
+model's. QAT distils with it (models/finetuning/finetune.py); the per-quantizer ranges are chosen by it
+(models/quantization/ranges.py)."""
 from __future__ import annotations
 
 import torch

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from models.quantize import QuantRecipe, calibrate_weights, named_quantizers, quantize_model
+from models.quantization.quantize import QuantRecipe, calibrate_weights, named_quantizers, quantize_model
 from utils.io_utils import atomic_write
 
 RANGES_FORMAT = 1

@@ -13,17 +13,17 @@ import onnx
 import torch
 import torch.nn as nn
 
-from models.checkpoint import load_for_export
-from models.held_state import held
-from models.mixed_precision import float_conv_nodes, float_convs
-from models.task import task_of
+from models.core.task import task_of
+from models.quantization.checkpoint import load_for_export
+from models.quantization.held_state import held
+from models.quantization.quantize import float_convs
 from utils.general import LOGGER, colorstr
 from utils.io_utils import atomic_write
 from utils.onnx_fp16 import FP16_OPSET, to_fp16
 from utils.onnx_nms import NMSSettings, add_nms
 from utils.onnx_utils import export_onnx
 from utils.provenance import sha256, toolkit_commit
-from utils.qdq_lint import FLOAT_LAYERS_KEY, LintReport, lint
+from utils.qdq_lint import FLOAT_LAYERS_KEY, LintReport, lint, module_of
 
 PREFIX = colorstr("export: ")
 DTYPES = ("fp16", "fp32")  # the type of everything in a graph that is not INT8
@@ -32,6 +32,12 @@ SETTINGS_KEY = "yolov9_qat.export"  # ONNX metadata: what the file was exported 
 # W-deepstream.onnx (+ W-deepstream-labels.txt)
 SUFFIXES = {"plain": "", "end2end": "-end2end", "end2end-efficient": "-end2end-efficientnms",
             "deepstream": "-deepstream"}
+
+
+def float_conv_nodes(graph: onnx.GraphProto, convs: list[str]) -> list[str]:
+    """The Conv nodes of an exported graph traced from the modules `convs`."""
+    wanted = set(convs)
+    return [n.name for n in graph.node if n.op_type == "Conv" and module_of(n.name) in wanted]
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ def export_graph(model: nn.Module, spec: GraphSpec, device: torch.device, wrappe
     im = torch.zeros(spec.batch_size, 3, *spec.imgsz, device=device)
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "model.onnx"
-        with held(model):  # scales traced as constants, not their computation at every call (models/held_state.py)
+        with held(model):  # scales traced as constants, not their computation at every call (models/quantization/held_state.py)
             export_onnx(model if wrapper is None else wrapper, im, f, opset=opset, dynamic=spec.dynamic,
                         output_names=output_names)
         proto = onnx.load(str(f))
@@ -157,7 +163,7 @@ def export_model(cfg: ExportConfig) -> tuple[nn.Module, onnx.ModelProto, onnx.Mo
     mark_float_layers(plain, kept_float)  # the end-to-end graph copies the plain one's metadata
     final = plain
     if cfg.end2end is not None:
-        from models.runners import TorchRunner
+        from models.deployment.runners import TorchRunner
         outputs = TorchRunner(model)(torch.zeros(1, 3, *cfg.spec.imgsz))
         final = add_nms(plain, int(model.model[-1].nc), {k: tuple(v.shape) for k, v in outputs.items()}, cfg.end2end)
     kind = output_kind(cfg.end2end)
@@ -243,8 +249,8 @@ def verify_parity(model: nn.Module, onnx_path: str | Path, images: list[torch.Te
                   conf_thres: float = 0.25, iou_thres: float = 0.45) -> dict:
     """The ONNX run by ONNX Runtime against the PyTorch model on real images: the norm-relative error of every
     output (a segmentation model's prototypes too), and the detections after NMS (`matched_detections`)."""
-    from models.evaluate import NMSConfig, detections
-    from models.runners import OnnxRuntimeRunner, TorchRunner
+    from models.deployment.evaluate import NMSConfig, detections
+    from models.deployment.runners import OnnxRuntimeRunner, TorchRunner
     torch_runner, ort_runner = TorchRunner(model), OnnxRuntimeRunner(onnx_path)
     nms = NMSConfig(conf_thres, iou_thres)
     nm = int(model.model[-1].nm) if torch_runner.task.has_masks else 0

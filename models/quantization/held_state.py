@@ -9,8 +9,8 @@ did: every QAT epoch was judged on the weights of the first evaluation).
 - `held(*models)`: each calibrated quantizer's fake-quantization parameters (a host float per tensor, or
   per-channel tensors) computed from its amax at entry. A training step reads them instead of reading amax back to
   the host (a GPU sync per quantizer and step), and a compiled forward reads them as constants: it traces again when
-  a later block holds other values (its guards compare them). Opened by each fine-tuning epoch (models/finetune.py),
-  each evaluation and each ONNX export of a quantized model (models/export.py, the scale-sharing rules' and mixed
+  a later block holds other values (its guards compare them). Opened by each fine-tuning epoch (models/finetuning/finetune.py),
+  each evaluation and each ONNX export of a quantized model (models/deployment/export.py, the scale-sharing rules' and mixed
   precision's in-memory traces): the trace then records each scale as a constant instead of the ops that compute
   it from amax at every call, which took half of a gelan-t trace's time (the same graph). A learned amax (a
   trained parameter) is not held: its grad-enabled forward computes its own scale, and no-grad calls outside a
@@ -18,19 +18,19 @@ did: every QAT epoch was judged on the weights of the first evaluation).
   block (`set_amax`, loading a state dict, calibrating) raises instead of going unseen.
 - `held(..., weights=True)`: in addition each weight's fake-quantized value, computed at its first use in the block
   and reused for every later batch (on a CPU quantizing a weight costs about as much as its convolution on a small
-  batch). For evaluation only (`models/runners.py` TorchRunner.held): nothing steps an optimizer there. Never used
+  batch). For evaluation only (`models/deployment/runners.py` TorchRunner.held): nothing steps an optimizer there. Never used
   while grad is enabled (training needs the rounding in the graph) or in an ONNX export (the weight's Q/DQ must be
   traced).
 
 Outside any block nothing is cached: each call computes the parameters from amax as it is.
 
 Other derived values, and what invalidates them:
-- the per-quantizer range search (models/quantize_ranges.py) holds each weight at its INT8 value for the duration of
+- the per-quantizer range search (models/quantization/ranges.py) holds each weight at its INT8 value for the duration of
   one `search` call and restores the float weights at its end; it changes no weight meanwhile;
-- the compiled forwards (models/fast_step.py) are traced again by torch.compile when a guarded value changes: the
+- the compiled forwards (models/finetuning/fast_step.py) are traced again by torch.compile when a guarded value changes: the
   held scales above (by value), tensor shapes, module attributes;
 - upstream's detection head keeps its anchors and strides on the module, recomputed when the input shape changes:
-  they depend on nothing else (the compiled teacher runs in training mode, without them, models/fast_step.py).
+  they depend on nothing else (the compiled teacher runs in training mode, without them, models/finetuning/fast_step.py).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from models.quantize import Int8Quantizer, QuantParams, fake_quant_with, quant_params
+from models.quantization.quantize import Int8Quantizer, QuantParams, fake_quant_with, quant_params
 
 
 class Held:
