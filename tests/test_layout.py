@@ -1,0 +1,52 @@
+"""models/ split by stage (models/*/__init__.py say what each holds): each package imports only the packages below
+it, and utils/ imports none of models/. Read from the source (every import, function-level ones included), so a
+dependency added against the order fails here before it becomes a cycle."""
+from __future__ import annotations
+
+import ast
+
+from conftest import REPO
+
+UPSTREAM = {"models.common", "models.yolo", "models.experimental"}
+# each stage, and the packages of this overlay it may import (itself included)
+ALLOWED = {"core": {"core"}, "quantization": {"core", "quantization"},
+           "finetuning": {"core", "quantization", "finetuning"},
+           "deployment": {"core", "quantization", "deployment"}}
+
+
+def _imported_modules(path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n == "models" or n.startswith("models.")}
+
+
+def _offending(path, allowed: set[str]) -> list[str]:
+    return sorted(m for m in _imported_modules(path)
+                  if m not in UPSTREAM and m.split(".")[1] not in allowed)
+
+
+def test_each_stage_imports_only_the_stages_below_it():
+    files = {stage: sorted((REPO / "models" / stage).glob("*.py")) for stage in ALLOWED}
+    assert all(len(f) >= 3 for f in files.values()), files  # the packages exist where this test looks
+    found = {f"{stage}/{p.name}": _offending(p, allowed) for stage, allowed in ALLOWED.items()
+             for p in files[stage]}
+    assert {k: v for k, v in found.items() if v} == {}
+    flat = [p.name for p in (REPO / "models").glob("*.py")]
+    assert sorted(flat) == ["mixed_precision.py", "pipeline.py"]  # the composition above the stages, nothing else
+
+
+def test_utils_imports_nothing_of_models():
+    found = {p.name: sorted(_imported_modules(p)) for p in (REPO / "utils").glob("*.py")}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_the_check_sees_an_import_against_the_order(tmp_path):
+    """The reader above on a module that imports upward inside a function (what a quick fix would add)."""
+    bad = tmp_path / "calibration.py"
+    bad.write_text("import torch\n\ndef f():\n    from models.finetuning.finetune import FineTuner\n"
+                   "    from models.common import Conv\n    return FineTuner, Conv\n")
+    assert _offending(bad, ALLOWED["quantization"]) == ["models.finetuning.finetune"]
