@@ -26,8 +26,6 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
-from pytorch_quantization import nn as quant_nn
-from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 
 from models.core.layer_outputs import LayerOutputs
 from models.core.task import Task
@@ -35,7 +33,8 @@ from models.deployment.evaluate import NMSConfig, evaluate_each
 from models.deployment.export import float_conv_nodes
 from models.deployment.runners import TorchRunner
 from models.quantization.held_state import held
-from models.quantization.quantize import CONVS, float_convs, named_quantizers, quantization_disabled
+from models.quantization.quantize import (CONVS, float_convs, is_enabled, named_quantizers, quantization_disabled,
+                                          quantized_convs)
 from utils.onnx_utils import model_to_onnx
 from utils.qdq_lint import lint
 
@@ -85,18 +84,19 @@ def float_candidates(model: nn.Module, imgsz: int) -> list[Candidate]:
     """Every INT8 tensor class read by a quantized conv, in model order."""
     names = {id(q): n for n, q in named_quantizers(model, activations_only=True)}
     readers: dict[int, list[str]] = {}
-    for name, m in model.named_modules():
-        if isinstance(m, quant_nn.QuantConv2d) and not m._input_quantizer._disabled:
-            readers.setdefault(id(m._input_quantizer), []).append(name)
+    for name, _, reads, _ in quantized_convs(model):
+        if is_enabled(reads):
+            readers.setdefault(id(reads), []).append(name)
     macs = conv_macs(model, imgsz)
     return [Candidate(names[k], tuple(convs), sum(macs[c] for c in convs)) for k, convs in readers.items()]
 
 
-def candidate_quantizers(model: nn.Module, candidates: list[Candidate]) -> list[TensorQuantizer]:
+def candidate_quantizers(model: nn.Module, candidates: list[Candidate]) -> list[nn.Module]:
+    weights = {name: w for name, _, _, w in quantized_convs(model)}
     out = []
     for c in candidates:
         out.append(model.get_submodule(c.name))
-        out += [model.get_submodule(conv)._weight_quantizer for conv in c.convs]
+        out += [weights[conv] for conv in c.convs]
     return out
 
 
@@ -146,8 +146,8 @@ def rank_by_output_error(passes: LayerOutputs, model: nn.Module, candidates: lis
 def int8_mac_share(model: nn.Module, imgsz: int) -> float:
     """The share of the convs' multiply-accumulates that run in INT8."""
     macs = conv_macs(model, imgsz)
-    int8 = sum(v for k, v in macs.items() if isinstance(m := model.get_submodule(k), quant_nn.QuantConv2d)
-               and not m._weight_quantizer._disabled)
+    int8_convs = {name for name, _, _, weights in quantized_convs(model) if is_enabled(weights)}
+    int8 = sum(v for k, v in macs.items() if k in int8_convs)
     return int8 / max(sum(macs.values()), 1)
 
 

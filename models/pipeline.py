@@ -46,8 +46,8 @@ from models.mixed_precision import (Candidate, MixedPrecision, candidate_metrics
                                     deployment_summary, float_candidates, keep_float)
 from models.quantization.checkpoint import (copy_checkpoint, load_float_model, load_quantized_model, read_checkpoint,
                                             save_checkpoint)
-from models.quantization.quantize import (QuantRecipe, calibrate, collect_statistics, copy_float, is_quantized,
-                                          named_quantizers, quantize_model, quantizer_counts)
+from models.quantization.quantize import (QuantRecipe, calibrate, collect_statistics, copy_float, is_enabled,
+                                          is_quantized, named_quantizers, quantize_model, quantizer_counts)
 from utils.batches import load_data, load_hyp, seeded_batches, seeded_indices, seeded_rank_loader
 from utils.datasplit import SelectConfig, SelectSplit, split_for
 from utils.general import LOGGER, colorstr
@@ -71,7 +71,7 @@ class RunConfig:
     batch_size: int = 10
     workers: int = 8
     cache: str | None = None          # upstream's --cache: training images decoded once, kept in "ram" or on "disk"
-    step: str = "auto"                # the fine-tuning step: compiled where it can be (models/finetuning/fast_step.py), or eager
+    step: str = "auto"                # the fine-tuning step: compiled where it can be (finetuning/fast_step.py), or eager
     num_image: int | None = None      # evaluate on the first N validation images only
     seed: int = 57                    # calibration sample, data order and augmentation of every epoch
     quant: QuantRecipe = field(default_factory=QuantRecipe)
@@ -446,7 +446,8 @@ class QuantizeRun:
             LOGGER.info(f"{PREFIX}fine-tuning step: {plan.reason}")
         to_layout(model, plan)
         to_layout(teacher, plan)
-        same_on_every_rank(world, "quantizers turned off", sorted(n for n, q in named_quantizers(model) if q._disabled))
+        same_on_every_rank(world, "quantizers turned off",
+                           sorted(n for n, q in named_quantizers(model) if not is_enabled(q)))
         forward = compiled(data_parallel(model, world, inputs.device), plan)
         with QATObjective(cfg.qat, model, teacher, inputs.hyp_dict, forward, compiled(teacher, plan)) as objective:
             tuner = FineTuner(objective, cfg.epochs, iters, amp=inputs.device.type == "cuda", plan=plan)

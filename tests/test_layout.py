@@ -14,14 +14,18 @@ ALLOWED = {"core": {"core"}, "quantization": {"core", "quantization"},
            "deployment": {"core", "quantization", "deployment"}}
 
 
-def _imported_modules(path) -> set[str]:
+def _imports(path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
-    return {n for n in names if n == "models" or n.startswith("models.")}
+    return names
+
+
+def _imported_modules(path) -> set[str]:
+    return {n for n in _imports(path) if n == "models" or n.startswith("models.")}
 
 
 def _offending(path, allowed: set[str]) -> list[str]:
@@ -42,6 +46,16 @@ def test_each_stage_imports_only_the_stages_below_it():
 def test_utils_imports_nothing_of_models():
     found = {p.name: sorted(_imported_modules(p)) for p in (REPO / "utils").glob("*.py")}
     assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_only_the_quantization_package_imports_a_quantization_library():
+    """The seam a second backend (Model Optimizer) plugs into: the stages above ask models.quantization, never
+    pytorch-quantization or modelopt.torch directly. (The ONNX peer runs modelopt.onnx as a separate command.)"""
+    libraries = ("pytorch_quantization", "modelopt")
+    ours = [p for p in REPO.glob("*.py")] + [p for d in ("models", "utils", "scripts") for p in (REPO / d).rglob("*.py")]
+    found = {str(p.relative_to(REPO)): sorted(n for n in _imports(p) if n.split(".")[0] in libraries) for p in ours
+             if "quantization" not in p.relative_to(REPO).parts}
+    assert len(found) > 40 and {k: v for k, v in found.items() if v} == {}
 
 
 def test_the_check_sees_an_import_against_the_order(tmp_path):

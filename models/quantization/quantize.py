@@ -10,7 +10,8 @@ with two speed/correctness changes kept in `Int8Quantizer`:
   evaluation (models/quantization/held_state.py: no host sync and one to three kernels per quantizer and step; FP16
   activations stay FP16), using the same [-128, 127] range that the exported QuantizeLinear and TensorRT
   use, so the model that is trained and evaluated is the model that is deployed;
-- calibration histograms use `models.quantization.calibration.HistogramCollector` (fast, CPU and GPU, independent of batching).
+- calibration histograms use `models.quantization.calibration.HistogramCollector` (fast, CPU and GPU,
+  independent of batching).
 
 Calibration collects statistics once (`collect_statistics`); every candidate range (max, mse, entropy, three
 percentiles) is computed from those same statistics, so `--calib-method auto` can measure each candidate and keep
@@ -183,7 +184,8 @@ def fake_quant(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.
 class Int8Quantizer(TensorQuantizer):
     """TensorQuantizer with native fake-quant kernels and device-safe checkpoint loading."""
 
-    _held = None  # the values of an open models.quantization.held_state.held block (class default: also for unpickled quantizers)
+    # the values of an open models.quantization.held_state.held block (class default: also for unpickled quantizers)
+    _held = None
 
     def __init__(self, quant_desc: QuantDescriptor):
         super().__init__(quant_desc)
@@ -196,10 +198,11 @@ class Int8Quantizer(TensorQuantizer):
             return fake_quant(inputs, self._get_amax(inputs), self._num_bits)
         if amax.requires_grad and torch.is_grad_enabled() and not torch.onnx.is_in_onnx_export():
             return fake_quant_learnable(inputs, amax, self._num_bits)
-        if self._held is not None:  # inside a block of models/quantization/held_state.py: the scale computed at its start
+        if self._held is not None:  # inside a held_state.held block: the scale computed at its start
             return self._held.fake_quant(inputs)
         if torch.compiler.is_compiling():  # a trace cannot read amax back to the host
-            raise RuntimeError("a compiled forward reached a quantizer outside a models.quantization.held_state.held block")
+            raise RuntimeError("a compiled forward reached a quantizer outside a "
+                               "models.quantization.held_state.held block")
         return fake_quant(inputs, amax, self._num_bits)
 
     def __getstate__(self) -> dict:  # a block's values belong to the block: never pickled or deep-copied
@@ -431,6 +434,18 @@ def freeze_amax(model: nn.Module) -> nn.Module:
 
 def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, TensorQuantizer) for m in model.modules())
+
+
+def is_enabled(quantizer: TensorQuantizer) -> bool:
+    return not quantizer._disabled
+
+
+def quantized_convs(model: nn.Module) -> Iterator[tuple[str, nn.Module, TensorQuantizer, TensorQuantizer]]:
+    """Each quantized conv with its input and weight quantizers: what the stages above read of a conv, so that
+    only this package names the quantization library's attributes."""
+    for name, m in model.named_modules():
+        if isinstance(m, quant_nn.QuantConv2d):
+            yield name, m, m._input_quantizer, m._weight_quantizer
 
 
 def named_quantizers(model: nn.Module, activations_only: bool = False) -> Iterator[tuple[str, TensorQuantizer]]:
