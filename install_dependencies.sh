@@ -96,11 +96,21 @@ if [ "$with_trt" = 1 ]; then
 fi
 if [ "$with_modelopt" = 1 ]; then
   # Its [onnx] extra pins onnx/onnxruntime(-gpu) versions other than this stack's; the ONNX quantizer runs with
-  # these modules on top of the pinned onnx and onnxruntime (checked by tests/test_scripts.py).
+  # these modules on top of the pinned onnx and onnxruntime (checked by tests/test_scripts.py). Its torch
+  # quantization needs the second list; its metadata asks for setuptools >= 80, which only its extension builds
+  # use: the import works beside the setuptools 69 upstream needs. huggingface_hub 1.x would need httpx2 as well.
   pip_install --no-deps nvidia-modelopt==0.47.0 onnx-graphsurgeon==0.6.1 cppimport mako lief polygraphy \
     onnxconverter-common pydantic pydantic-core annotated-types typing-inspection nvidia-ml-py onnxscript onnx-ir \
     ml_dtypes
-  "$PY" -c "import modelopt.onnx.quantization" \
-    && echo "install_dependencies: NVIDIA Model Optimizer $("$PY" -c 'import modelopt; print(modelopt.__version__)') installed" \
-    || { echo "install_dependencies: error: Model Optimizer's ONNX quantizer does not import" >&2; exit 1; }
+  pip_install --no-deps omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 rich==15.0.0 markdown-it-py==4.3.0 \
+    mdurl==0.1.2 pulp==3.3.2 regex safetensors==0.8.0 huggingface_hub==0.36.2 ninja==1.13.2
+  # torch's import warnings (no CUDA runtime, ...) only where the import fails
+  check="import modelopt, modelopt.onnx.quantization, modelopt.torch.quantization; print(modelopt.__version__)"
+  if out=$("$PY" -c "$check" 2>&1); then
+    echo "install_dependencies: NVIDIA Model Optimizer $(echo "$out" | tail -1) installed"
+  else
+    echo "$out" | tail -5 >&2
+    echo "install_dependencies: error: Model Optimizer's ONNX or torch quantization does not import" >&2
+    exit 1
+  fi
 fi

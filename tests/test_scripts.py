@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CHECKOUT, IMGSZ, REPO, call_cli, load_script, run_cli
+from conftest import CHECKOUT, IMGSZ, REPO, call_cli, cli_env, load_script, run_cli
 
 
 def sh(*args, **kw):
@@ -90,6 +90,19 @@ def test_patch_removes_what_an_earlier_overlay_put_there_and_no_longer_has(tmp_p
     listed = manifest.read_text().split()
     assert "models/quantize.py" not in listed and "models/quantization/quantize.py" in listed
     assert "0 removed" in sh(REPO / "patch_yolov9.sh", fake).stdout
+
+
+def test_model_optimizer_torch_quantization_imports_beside_upstreams_setuptools():
+    """What `./install_dependencies.sh --modelopt` installs: Model Optimizer's torch quantization and upstream's
+    `pkg_resources` (setuptools < 70) in one process, the pair a Model Optimizer backend needs."""
+    import importlib.util
+    if importlib.util.find_spec("modelopt") is None:
+        pytest.skip("nvidia-modelopt is not installed (./install_dependencies.sh --modelopt)")
+    code = ("import pkg_resources, setuptools, modelopt.torch.quantization as mtq; "
+            "print(setuptools.__version__, len(mtq.INT8_DEFAULT_CFG))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), cwd=CHECKOUT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.split()[-2].split(".")[0]) < 70
 
 # The generator's output on any numpy/OpenCV: computed here (numpy 2.2.6, OpenCV 4.12) and, for the 400/100
 # demo set, found identical on the GPU machine's image (numpy 2.5, OpenCV 5); see make_demo_dataset.py for why.
