@@ -156,8 +156,7 @@ def candidate_metrics(model: nn.Module, candidates: list[Candidate], loader, tas
     """Each candidate's metrics over `loader` with it alone in float, in one pass over the images: per batch, one
     all-INT8 forward keeps its layer outputs and each candidate reruns from the first layer that uses it
     (models/core/layer_outputs.py: the layers before compute the same numbers either way); the weights are quantized
-    once
-    for all (none changes). One batch's layer outputs are held at a time."""
+    once for all (none changes). One batch's layer outputs are held at a time."""
     runner = TorchRunner(model)
 
     def outputs_of(images: torch.Tensor) -> Iterator[tuple[str, dict]]:

@@ -183,8 +183,7 @@ def build_model(cfg: str, nc: int = 12, seed: int = 0):
 
 class NothingHeld:
     """A runner without `held()`: models/deployment/evaluate.py then opens no block, and every batch quantizes every
-    weight and
-    computes every scale again from the model as it is (what an evaluation with no cache at all computes)."""
+    weight and computes every scale again from the model as it is (what an evaluation with no cache at all computes)."""
 
     def __init__(self, runner):
         self.runner = runner

@@ -228,8 +228,7 @@ def test_fp16_export_raises_near_dead_scales_and_changes_nothing_else(demo_data3
     FP16 rounding alone would), so the FP16 graph is compared with the FP32 graph given the same clamp: then only
     FP16 activations differ, and detections must match as for any FP16 export (tests/test_deploy.py: >= 0.9 with
     the tolerances of models/deployment/export.py). Without the clamp those scales turn subnormal or zero in FP16 and
-    the
-    channels' outputs are lost or infinite."""
+    the channels' outputs are lost or infinite."""
     import onnx
     from conftest import TRAINED_T, call_cli
     from models.deployment.evaluate import NMSConfig, detections
