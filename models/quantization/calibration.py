@@ -33,15 +33,16 @@ HISTOGRAM_CANDIDATES: dict[str, tuple[str, float | None]] = {
 # on gelan-s helmet, at minutes of a CPU run; it stays available by name.
 AUTO_CANDIDATES: dict[str, tuple[str, float | None]] = dict(HISTOGRAM_CANDIDATES)
 
+_ROWS_PER_CHUNK = 128  # candidate amax values evaluated together; bounds memory to rows x bins
+_CHUNK = 1 << 24       # values binned at a time: bounds the index tensor's memory
+_TINY = 2.0 ** -40     # the width of a histogram that has seen only zeros
+
 
 def calib_method_flags(name: str) -> list[str]:
     """`qat.py quantize` flags that calibrate with one of auto's candidates (or a method qat.py names itself):
     a percentile candidate is the method plus its value, which --calib-method alone does not take."""
     method, percentile = HISTOGRAM_CANDIDATES.get(name, (name, None))
     return ["--calib-method", method] + ([] if percentile is None else ["--percentile", f"{percentile:g}"])
-_ROWS_PER_CHUNK = 128  # candidate amax values evaluated together; bounds memory to rows x bins
-_CHUNK = 1 << 24       # values binned at a time: bounds the index tensor's memory
-_TINY = 2.0 ** -40     # the width of a histogram that has seen only zeros
 
 
 def bin_width(x_max: float, num_bins: int) -> float:
