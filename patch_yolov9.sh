@@ -23,7 +23,7 @@ MANIFEST="$DIR/.yolov9_qat_files"
 touch "$MANIFEST"
 cd "$HERE"
 overlay_files() {
-  ls -1 *.py models/*.py models/*/*.py utils/*.py scripts/*.sh scripts/*.py 2>/dev/null \
+  ls -1 *.py models/*.py models/*/*.py models/*/*/*.py utils/*.py scripts/*.sh scripts/*.py 2>/dev/null \
     | grep -v '^scripts/get_yolov9.sh$\|^scripts/demo.sh$'
 }
 copied=0

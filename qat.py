@@ -24,6 +24,7 @@ from models.deployment.evaluate import NMSConfig  # noqa: E402
 from models.finetuning.fast_step import STEP_MODES  # noqa: E402
 from models.finetuning.finetune import DISTILL_TARGETS, LR_SCHEDULES, RECIPES, QATRecipe  # noqa: E402
 from models.pipeline import CONTROL_PARTS, RunConfig, evaluate_checkpoint, quantize, resume, sensitivity  # noqa: E402
+from models.quantization.backends import BACKENDS, DEFAULT_BACKEND, get_backend  # noqa: E402
 from models.quantization.quantize import CALIB_METHODS, QuantRecipe, skip_patterns  # noqa: E402
 from utils.datasplit import SelectConfig  # noqa: E402
 from utils.io_utils import OutputDir, cli_main  # noqa: E402
@@ -56,6 +57,9 @@ def _common(p, project, weights_required=True):
 
 def _calibration(p, methods=CALIB_METHODS, default="auto"):
     p.add_argument("--hyp", type=str, default=str(ROOT / DEFAULT_HYP), help="hyperparameters path")
+    p.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND,
+                   help="quantization library: pytorch-quantization, or NVIDIA Model Optimizer (modelopt: "
+                        "./install_dependencies.sh --modelopt); eval and export read it from the checkpoint")
     p.add_argument("--calib-method", choices=methods, default=default,
                    help="activation amax: auto (every method below from one pass of statistics, the best on the "
                         "select split kept), or max, or from a histogram by mse / percentile / entropy")
@@ -177,9 +181,15 @@ def build(flags: dict) -> tuple[str, RunConfig, OutputDir, list[str]]:
     cmd = flags.pop("cmd")
     out = OutputDir(flags.pop("project"), flags.pop("name"), flags.pop("exist_ok"))
     skip = [str(v) for v in flags.pop("skip_layers", [])]
-    quant = QuantRecipe(calib_method=flags.pop("calib_method", "auto"), percentile=flags.pop("percentile", 99.999),
-                        calib_batches=flags.pop("calib_batches", 25), skip=skip_patterns(skip),
+    quant = QuantRecipe(backend=flags.pop("backend", DEFAULT_BACKEND), calib_method=flags.pop("calib_method", "auto"),
+                        percentile=flags.pop("percentile", 99.999), calib_batches=flags.pop("calib_batches", 25),
+                        skip=skip_patterns(skip),
                         share_rules=not flags.pop("no_share_rules", False))
+    if cmd != "eval":
+        try:  # its library imports, or a one-line error before anything is written
+            get_backend(quant.backend)
+        except ValueError as e:
+            raise ValueError(f"--backend {quant.backend}: {e}") from None
     preset = flags.pop("recipe", "default")
     qat = RECIPES[preset].with_overrides(**{k: flags.pop(k, None) for k in QAT_FIELDS})
     nms = NMSConfig(conf_thres=flags.pop("conf_thres"), iou_thres=flags.pop("iou_thres"))

@@ -33,7 +33,7 @@ from models.deployment.evaluate import NMSConfig, evaluate_each
 from models.deployment.export import float_conv_nodes
 from models.deployment.runners import TorchRunner
 from models.quantization.held_state import held
-from models.quantization.quantize import (CONVS, float_convs, is_enabled, named_quantizers, quantization_disabled,
+from models.quantization.quantize import (float_convs, is_conv, is_enabled, named_quantizers, quantization_disabled,
                                           quantized_convs)
 from utils.onnx_utils import model_to_onnx
 from utils.qdq_lint import lint
@@ -66,7 +66,7 @@ def conv_macs(model: nn.Module, imgsz: int) -> dict[str, int]:
     macs: dict[str, int] = {}
     hooks = [m.register_forward_hook(lambda mod, _, out, name=name: macs.__setitem__(
         name, out[0].numel() * mod.in_channels // mod.groups * mod.kernel_size[0] * mod.kernel_size[1]))
-             for name, m in model.named_modules() if isinstance(m, CONVS)]
+             for name, m in model.named_modules() if is_conv(m)]
     device = next(model.parameters()).device
     try:
         with torch.no_grad(), quantization_disabled(q for _, q in named_quantizers(model)):

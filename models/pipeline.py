@@ -46,8 +46,9 @@ from models.mixed_precision import (Candidate, MixedPrecision, candidate_metrics
                                     deployment_summary, float_candidates, keep_float)
 from models.quantization.checkpoint import (copy_checkpoint, load_float_model, load_quantized_model, read_checkpoint,
                                             save_checkpoint)
-from models.quantization.quantize import (QuantRecipe, calibrate, collect_statistics, copy_float, is_enabled,
-                                          is_quantized, named_quantizers, quantize_model, quantizer_counts)
+from models.quantization.quantize import (QuantRecipe, backend_of, calibrate, collect_statistics, copy_float,
+                                          holds_scales, is_enabled, is_quantized, named_quantizers, quantize_model,
+                                          quantizer_counts)
 from utils.batches import load_data, load_hyp, seeded_batches, seeded_indices, seeded_rank_loader
 from utils.datasplit import SelectConfig, SelectSplit, split_for
 from utils.general import LOGGER, colorstr
@@ -441,7 +442,7 @@ class QuantizeRun:
         loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=True, world=world)
         iters = cfg.iters or math.ceil(len(loader.dataset) / cfg.batch_size)  # 0: one pass over the images
         plan = plan_step(cfg.step, inputs.device, inputs.task.has_masks, cfg.qat.learn_amax,
-                         iterations=(cfg.epochs - start) * iters)
+                         iterations=(cfg.epochs - start) * iters, held_scales=holds_scales(model))
         if world.main:
             LOGGER.info(f"{PREFIX}fine-tuning step: {plan.reason}")
         to_layout(model, plan)
@@ -629,8 +630,9 @@ def evaluate_checkpoint(cfg: RunConfig, out: OutputDir) -> dict:
     inputs = Inputs(device, data_dict, model, task, val)
     metrics = measure(model, inputs, cfg.nms, str(cfg.weights))
     result = {"weights": str(cfg.weights), "data": str(cfg.data), "imgsz": cfg.imgsz, "task": task.name, **metrics,
-              "eval_s": round(time.perf_counter() - t0, 2), "quantizers": quantizer_counts(model)}
-    result["table"] = metrics_table([(f"INT8 (PyTorch) {Path(cfg.weights).name}", metrics)])
+              "eval_s": round(time.perf_counter() - t0, 2), "backend": backend_of(model),
+              "quantizers": quantizer_counts(model)}
+    result["table"] = metrics_table([(f"INT8 (PyTorch, {result['backend']}) {Path(cfg.weights).name}", metrics)])
     LOGGER.info("\n" + result["table"])
     write_json(save_dir / "eval.json", result)
     return result

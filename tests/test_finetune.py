@@ -16,7 +16,8 @@ from models.core.losses import head_distill_loss
 from models.finetuning.finetune import RECIPES, FineTuner, QATObjective, QATRecipe, WeightEMA, lr_at
 from models.pipeline import CONTROL_PARTS, controlled_quantizers
 from models.quantization.checkpoint import read_checkpoint, save_checkpoint
-from models.quantization.quantize import (QuantRecipe, calibrate, copy_float, fake_quant, learnable_amax_parameters,
+from models.quantization.fake_quant import fake_quant
+from models.quantization.quantize import (QuantRecipe, calibrate, copy_float, learnable_amax_parameters,
                                           named_quantizers, quantization_disabled, quantize_model)
 from utils.onnx_utils import model_to_onnx, unshared_joins
 

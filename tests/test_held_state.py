@@ -12,7 +12,8 @@ from conftest import TRAINED_T, NothingHeld
 from models.finetuning.finetune import WeightEMA
 from models.quantization.checkpoint import load_float_model
 from models.quantization.held_state import held
-from models.quantization.quantize import QuantRecipe, calibrate, calibrate_weights, fake_quant, quantize_model
+from models.quantization.fake_quant import fake_quant
+from models.quantization.quantize import QuantRecipe, calibrate, calibrate_weights, quantize_model
 
 SIZE = 320  # the trained demo model's size
 

@@ -48,14 +48,17 @@ def test_utils_imports_nothing_of_models():
     assert {k: v for k, v in found.items() if v} == {}
 
 
-def test_only_the_quantization_package_imports_a_quantization_library():
-    """The seam a second backend (Model Optimizer) plugs into: the stages above ask models.quantization, never
-    pytorch-quantization or modelopt.torch directly. (The ONNX peer runs modelopt.onnx as a separate command.)"""
-    libraries = ("pytorch_quantization", "modelopt")
+def test_only_each_backend_imports_its_quantization_library():
+    """The seam between the backends: everything else (the stages above, and quantize.py, rules, calibration,
+    ranges, checkpoints inside models/quantization) asks models.quantization.backends, never pytorch-quantization or
+    modelopt.torch directly; each backend module imports its own library only. (The ONNX peer runs modelopt.onnx as
+    a separate command.)"""
+    libraries = {"pytorch_quantization": "pytorch_quantization.py", "modelopt": "model_optimizer.py"}
     ours = [p for p in REPO.glob("*.py")] + [p for d in ("models", "utils", "scripts") for p in (REPO / d).rglob("*.py")]
-    found = {str(p.relative_to(REPO)): sorted(n for n in _imports(p) if n.split(".")[0] in libraries) for p in ours
-             if "quantization" not in p.relative_to(REPO).parts}
-    assert len(found) > 40 and {k: v for k, v in found.items() if v} == {}
+    found = {str(p.relative_to(REPO)): sorted({n.split(".")[0] for n in _imports(p)} & set(libraries)) for p in ours}
+    assert len(found) > 40
+    assert {k: v for k, v in found.items() if v} == {f"models/quantization/backends/{f}": [lib]
+                                                     for lib, f in libraries.items()}
 
 
 def test_the_check_sees_an_import_against_the_order(tmp_path):

@@ -10,11 +10,13 @@ from conftest import build_model
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from models.quantization.backends import get_backend
 from models.quantization.calibration import PER_QUANTIZER, HistogramCollector, amax_entropy, amax_mse, amax_percentile
 from models.quantization.checkpoint import load_quantized_model, save_checkpoint
+from models.quantization.fake_quant import fake_quant
 from models.quantization.held_state import held
 from models.quantization.quantize import (CALIB_METHODS, HISTOGRAM_CANDIDATES, QuantRecipe, calibrate,
-                                          collect_statistics, fake_quant, is_quantized, named_quantizers,
+                                          collect_statistics, is_quantized, named_quantizers,
                                           quantization_disabled, quantize_model, quantizer_counts, skip_patterns)
 from utils.onnx_utils import unshared_joins
 from utils.onnx_utils import activation_quantize_nodes, model_to_onnx
@@ -261,8 +263,7 @@ def test_evaluation_on_a_cpu_quantizes_as_the_native_kernel_bit_for_bit(amax):
 
 
 def _quantizer(amax):
-    from models.quantization.quantize import Int8Quantizer, _activation_desc
-    q = Int8Quantizer(_activation_desc(QuantRecipe(calib_method="max")))
+    q = get_backend("pytorch-quantization").activation_quantizer(8)
     q.set_amax(torch.tensor(amax))
     return q
 
@@ -300,11 +301,10 @@ def test_quantizer_runs_one_kernel_per_call_and_follows_amax_changes():
 
 
 def test_weight_quantizer_matches_the_per_channel_kernel_without_host_syncs():
-    from models.quantization.quantize import Int8Quantizer, _weight_desc
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(16, 8, 3, 3, generator=g) * torch.rand(16, 1, 1, 1, generator=g) * 4).requires_grad_()
     amax = w.detach().abs().amax(dim=(1, 2, 3), keepdim=True) * 0.7  # some values clip
-    q = Int8Quantizer(_weight_desc(QuantRecipe()))
+    q = get_backend("pytorch-quantization").weight_quantizer(8)
     q.set_amax(amax)
     q(w)
     with held(q), _AtenOps() as seen:  # as a training epoch runs it
@@ -352,6 +352,7 @@ def test_a_checkpoint_of_the_flat_models_layout_still_loads(trust):
     split by stage (its pickle names models.quantize.* and models.calibrate.*; tiny_gelan(12) fused, quantized,
     max-calibrated on two seeded random batches), beside each quantizer's amax. Read now, through the allow-list
     or fully unpickled: the same quantizers, of the classes where they live now, with the same amax bit for bit."""
+    import models.quantization.backends.pytorch_quantization as pytorch_quantization_backend
     import models.quantization.quantize as quantize_module
     from conftest import REPO
     legacy = REPO / "tests/data/tiny-gelan-int8-flat-layout.pt"
@@ -364,7 +365,9 @@ def test_a_checkpoint_of_the_flat_models_layout_still_loads(trust):
     assert all(np.array_equal(amax[n], kept[n]) for n in kept.files)
     moved = [type(m) for m in model.modules() if type(m).__name__.startswith(("Quant", "Int8"))
              and type(m).__module__.startswith("models.")]
-    assert moved and all(c is getattr(quantize_module, c.__name__) for c in moved)
+    assert moved and all(c is getattr(quantize_module, c.__name__, None) or
+                         c is getattr(pytorch_quantization_backend, c.__name__, None) for c in moved)
+    assert any(c.__name__ == "Int8Quantizer" for c in moved)  # moved twice: models.quantize -> quantize -> backend
     with torch.no_grad():
         assert torch.isfinite(model(torch.rand(1, 3, 64, 64))[0]).all()
 

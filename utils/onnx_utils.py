@@ -49,6 +49,47 @@ def export_onnx(model: nn.Module, im: torch.Tensor, f: str | Path | BinaryIO, *,
         torch.onnx.export(model, im, f, opset_version=opset, input_names=["images"],
                           output_names=list(output_names), dynamic_axes=dynamic_axes,
                           do_constant_folding=True, dynamo=False)
+    _tidy_exported(f)
+
+
+def _tidy_exported(f: str | Path | BinaryIO) -> None:
+    """The exported file without the two things Model Optimizer's INT8 symbolic adds to what torch's own
+    fake-quant symbolic writes (rewritten only if it has any): casts of a QuantizeLinear's input to float where the
+    tracer lost its type (after a Slice, an Add; a float already in an FP32 trace), and a Q/DQ pair per call with its
+    own constants where torch's gives one per tensor and scale (its common-subexpression pass merges them). Both
+    would stand between a tensor and its Q/DQ pair, which TensorRT's fusions and the scale-sharing analysis read."""
+    proto = onnx.load_from_string(f.getvalue()) if isinstance(f, io.BytesIO) else onnx.load(str(f))
+    if not drop_identity_casts(proto) + merge_duplicate_qdq(proto):
+        return
+    if isinstance(f, io.BytesIO):
+        f.seek(0)
+        f.truncate()
+        f.write(proto.SerializeToString())
+    else:
+        onnx.save(proto, str(f))
+
+
+def drop_identity_casts(proto: onnx.ModelProto) -> int:
+    """Removes, in place, every Cast whose input already has the target type (types from ONNX shape inference);
+    returns how many."""
+    graph = proto.graph
+    casts = [n for n in graph.node if n.op_type == "Cast"]
+    if not casts:
+        return 0
+    inferred = onnx.shape_inference.infer_shapes(proto).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*inferred.value_info, *inferred.input, *inferred.output)}
+    types.update({t.name: t.data_type for t in graph.initializer})
+    outputs = {o.name for o in graph.output}
+    dropped = 0
+    for node in casts:
+        to = next(a.i for a in node.attribute if a.name == "to")
+        if types.get(node.input[0]) != to or node.output[0] in outputs:
+            continue
+        for consumer in graph.node:
+            consumer.input[:] = [node.input[0] if i == node.output[0] else i for i in consumer.input]
+        graph.node.remove(node)
+        dropped += 1
+    return dropped
 
 
 def model_to_onnx(model: nn.Module, imgsz: int = 64, opset: int = 17) -> onnx.ModelProto:
@@ -57,6 +98,48 @@ def model_to_onnx(model: nn.Module, imgsz: int = 64, opset: int = 17) -> onnx.Mo
     buf = io.BytesIO()
     export_onnx(model, torch.zeros(1, 3, imgsz, imgsz, device=device), buf, opset=opset)
     return onnx.load_from_string(buf.getvalue())
+
+
+def merge_duplicate_qdq(proto: onnx.ModelProto) -> int:
+    """Merges, in place, QuantizeLinear nodes that read the same tensor with the same scale, zero point and axis
+    (each with its DequantizeLinear consumers) into the first; drops the constants nothing reads any more. Returns
+    how many QuantizeLinear nodes went."""
+    graph = proto.graph
+    consts = constant_values(graph)
+
+    def params(node: onnx.NodeProto) -> tuple:
+        axis = next((a.i for a in node.attribute if a.name == "axis"), None)
+        return (*(consts[i].tobytes() if i in consts else i for i in node.input[1:]), axis)
+
+    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for node in graph.node:
+        for i in node.input:
+            consumers[i].append(node)
+    outputs = {o.name for o in graph.output}
+    first: dict[tuple, onnx.NodeProto] = {}
+    renamed: dict[str, str] = {}
+    removed: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.op_type != "QuantizeLinear":
+            continue
+        kept = first.setdefault((node.input[0], params(node)), node)
+        if kept is node:
+            continue
+        kept_dq = {params(d): d for d in consumers[kept.output[0]] if d.op_type == "DequantizeLinear"}
+        dqs = consumers[node.output[0]]
+        if not all(d.op_type == "DequantizeLinear" and params(d) in kept_dq and d.output[0] not in outputs
+                   for d in dqs):
+            continue
+        renamed.update({d.output[0]: kept_dq[params(d)].output[0] for d in dqs})
+        removed += [node, *dqs]
+    for node in removed:
+        graph.node.remove(node)
+    for node in graph.node:
+        node.input[:] = [renamed.get(i, i) for i in node.input]
+    read = {i for node in graph.node for i in node.input}
+    for node in [n for n in graph.node if n.op_type == "Constant" and n.output[0] not in read | outputs]:
+        graph.node.remove(node)
+    return sum(n.op_type == "QuantizeLinear" for n in removed)
 
 
 def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:

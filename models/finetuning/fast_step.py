@@ -79,9 +79,10 @@ def _compiled_plan(backend: str, why: str) -> StepPlan:
 
 
 def plan_step(requested: str, device: torch.device, segmentation: bool, learn_amax: bool,
-              iterations: int | None = None, rule: AutoRule = AUTO) -> StepPlan:
-    """The fast step where it applies: a CUDA device, a detection model, calibrated (not learned) ranges, and for
-    `auto` enough planned iterations to repay a compile (`rule`; None: unknown, compiled)."""
+              iterations: int | None = None, rule: AutoRule = AUTO, held_scales: bool = True) -> StepPlan:
+    """The fast step where it applies: a CUDA device, a detection model, calibrated (not learned) ranges that the
+    quantizers read as held scales (`held_scales`: models/quantization/held_state.py), and for `auto` enough planned
+    iterations to repay a compile (`rule`; None: unknown, compiled)."""
     if requested not in STEP_MODES:
         raise ValueError(f"--step must be one of {STEP_MODES}, got {requested!r}")
     backend = rule.backend_for(iterations) if requested == "auto" else requested
@@ -89,6 +90,7 @@ def plan_step(requested: str, device: torch.device, segmentation: bool, learn_am
                "not a CUDA device" if device.type != "cuda" else
                "segmentation heads are not compiled yet" if segmentation else
                "--learn-amax changes the ranges every step" if learn_amax else
+               "the quantizers compute their scales at every call (--backend modelopt)" if not held_scales else
                f"{iterations} iterations planned: a compile repays its first step from about {rule.min_iterations}"
                if backend is None else "")
     if why_not:  # on a GPU, what needs no compiler still applies, unless the eager step was asked for

@@ -2,8 +2,8 @@
 
 A YOLO checkpoint is a pickled model, and unpickling can run arbitrary code. Files are therefore read with
 `torch.load(weights_only=True)` and an allow-list of the classes such a checkpoint legitimately holds: the
-torch.nn modules, upstream YOLOv9's modules, this overlay's quantized modules and pytorch-quantization's
-modules and calibrators. The list is derived from those packages (every nn.Module subclass they define),
+torch.nn modules, upstream YOLOv9's modules, this overlay's quantized modules and the quantization backends'
+modules and calibrators (Model Optimizer's only where the file names them: importing it takes seconds). The list is derived from those packages (every nn.Module subclass they define),
 never a function, so a crafted file cannot call anything. `trust=True` (`--trust-checkpoint`) falls back
 to full unpickling for files from a source the user trusts, with a warning.
 
@@ -25,17 +25,31 @@ from types import ModuleType
 import torch
 import torch.nn as nn
 
+from models.quantization.backends import BACKENDS, DEFAULT_BACKEND, get_backend
 from models.quantization.quantize import freeze_amax, is_quantized
 from utils.general import LOGGER
 from utils.io_utils import atomic_write
 
-_MODULE_PACKAGES = ("torch.nn", "models.common", "models.yolo", "models.quantization.quantize",
-                    "pytorch_quantization.nn", "pytorch_quantization.nn.modules.quant_conv",
-                    "pytorch_quantization.nn.modules.quant_pooling", "pytorch_quantization.nn.modules.tensor_quantizer")
-_CALIBRATOR_PACKAGES = ("pytorch_quantization.calib", "models.quantization.calibration")
-# Where checkpoints written before models/ was split by stage name this overlay's classes: the module a pickle
-# names is looked up here first, so those files load as they did.
+_MODULE_PACKAGES = ("torch.nn", "models.common", "models.yolo", "models.quantization.quantize")
+_CALIBRATOR_PACKAGES = ("models.quantization.calibration",)
+# Where checkpoints written by earlier layouts name this overlay's classes, so those files load as they did: modules
+# that moved whole (before models/ was split by stage), then classes that left a module that stays (before the
+# backends: pytorch-quantization's quantizer).
 MOVED_MODULES = {"models.quantize": "models.quantization.quantize", "models.calibrate": "models.quantization.calibration"}
+MOVED_CLASSES = {"models.quantization.quantize.Int8Quantizer": "models.quantization.backends.pytorch_quantization"}
+
+
+def module_now(module: str, name: str) -> str:
+    """The module that holds class `name` now, of one a checkpoint names."""
+    module = MOVED_MODULES.get(module, module)
+    return MOVED_CLASSES.get(f"{module}.{name}", module)
+
+
+def backends_named(globals_in_file: set[str]) -> tuple[str, ...]:
+    """The backends whose classes a checkpoint's pickle names (the default's always: the allow-list has held it
+    since before there were backends)."""
+    return tuple(name for name, (module, _, library) in BACKENDS.items()
+                 if name == DEFAULT_BACKEND or any(g.startswith((module + ".", library + ".")) for g in globals_in_file))
 
 
 def _numpy_values() -> list:
@@ -48,30 +62,34 @@ def _numpy_values() -> list:
                                                 if hasattr(np, "dtypes") and hasattr(np.dtypes, n))]
 
 
-@lru_cache(maxsize=1)
-def allowed_classes() -> tuple:
-    """Classes a YOLO / yolov9-qat checkpoint may hold: modules and calibrators (no functions), and numpy's
-    scalar reconstruction."""
+@lru_cache(maxsize=None)
+def allowed_classes(backends: tuple[str, ...] = (DEFAULT_BACKEND,)) -> tuple:
+    """Classes a YOLO / yolov9-qat checkpoint quantized with `backends` may hold: modules and calibrators (no
+    functions), and numpy's scalar reconstruction."""
     classes = set(_numpy_values())
-    for name in _MODULE_PACKAGES + _CALIBRATOR_PACKAGES:
+    modules, calibrators = _MODULE_PACKAGES, _CALIBRATOR_PACKAGES
+    for backend in map(get_backend, backends):
+        modules, calibrators = modules + backend.checkpoint_modules, calibrators + backend.calibrator_modules
+    for name in modules + calibrators:
         for obj in vars(importlib.import_module(name)).values():
-            if isinstance(obj, type) and (issubclass(obj, nn.Module) or name in _CALIBRATOR_PACKAGES
+            if isinstance(obj, type) and (issubclass(obj, nn.Module) or name in calibrators
                                           and obj.__module__.startswith(name)):
                 classes.add(obj)
     return tuple(sorted(classes, key=lambda c: f"{c.__module__}.{getattr(c, '__qualname__', c.__name__)}"))
 
 
-def _former_names() -> list[tuple[type, str]]:
-    """The allowed classes of moved modules under the names older checkpoints give them."""
-    former = {new: old for old, new in MOVED_MODULES.items()}
-    return [(c, f"{former[c.__module__]}.{c.__qualname__}") for c in allowed_classes() if c.__module__ in former]
+def _former_names(allowed: tuple) -> list[tuple[type, str]]:
+    """The allowed classes that moved, under the names older checkpoints give them."""
+    former_modules = set(MOVED_MODULES) | {k.rsplit(".", 1)[0] for k in MOVED_CLASSES}
+    return [(c, f"{old}.{c.__qualname__}") for c in allowed for old in sorted(former_modules)
+            if old != c.__module__ and module_now(old, c.__qualname__) == c.__module__]
 
 
 class _FormerNamesUnpickler(pickle.Unpickler):
-    """Full unpickling (--trust-checkpoint) that finds classes of moved modules where they are now."""
+    """Full unpickling (--trust-checkpoint) that finds classes that moved where they are now."""
 
     def find_class(self, module: str, name: str):
-        return super().find_class(MOVED_MODULES.get(module, module), name)
+        return super().find_class(module_now(module, name), name)
 
 
 def _former_names_pickle() -> ModuleType:
@@ -81,23 +99,31 @@ def _former_names_pickle() -> ModuleType:
     return module
 
 
-def _forward_getattr(obj, name: str):
-    """getattr for unpickling: `forward*` methods of allowed module classes (or their instances) only."""
-    cls = obj if isinstance(obj, type) else type(obj)
-    if not (isinstance(name, str) and name.startswith("forward") and cls in allowed_classes()):
-        raise pickle.UnpicklingError(f"getattr({cls.__name__}, {name!r}) is not allowed in a YOLO checkpoint")
-    return getattr(obj, name)
+def _forward_getattr(allowed: tuple):
+    """getattr for unpickling: `forward*` methods of `allowed` module classes (or their instances) only."""
+    def forward_getattr(obj, name: str):
+        cls = obj if isinstance(obj, type) else type(obj)
+        if not (isinstance(name, str) and name.startswith("forward") and cls in allowed):
+            raise pickle.UnpicklingError(f"getattr({cls.__name__}, {name!r}) is not allowed in a YOLO checkpoint")
+        return getattr(obj, name)
+    return forward_getattr
 
 
-def _allowed_globals_in(path: Path) -> list:
-    """The allow-list narrowed to the module and calibrator classes the file's pickle names (read without
-    unpickling): torch's restricted unpickler looks each reference up in the whole list, ~0.3 s a load with all of
-    it. numpy's values stay whole: a pickled dtype names `numpy.dtype` and unpickles as a subclass of it that the
-    unpickler checks too. A file it cannot scan gets the whole list, and torch.load then says what is wrong."""
-    every = [*allowed_classes(), *_former_names(), (_forward_getattr, "builtins.getattr")]
+def _globals_named_in(path: Path) -> set[str] | None:
+    """The classes and functions a checkpoint's pickle names (read without unpickling); None if it cannot be read."""
     try:
-        referenced = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        return set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
     except Exception:
+        return None
+
+
+def _allowed_globals_in(allowed: tuple, referenced: set[str] | None) -> list:
+    """The allow-list narrowed to the module and calibrator classes the file's pickle names: torch's restricted
+    unpickler looks each reference up in the whole list, ~0.3 s a load with all of it. numpy's values stay whole: a
+    pickled dtype names `numpy.dtype` and unpickles as a subclass of it that the unpickler checks too. A file it
+    cannot scan gets the whole list, and torch.load then says what is wrong."""
+    every = [*allowed, *_former_names(allowed), (_forward_getattr(allowed), "builtins.getattr")]
+    if referenced is None:
         return every
     numpy_values = set(_numpy_values())
     return [g for g in every if g in numpy_values or
@@ -109,13 +135,18 @@ def read_checkpoint(weights: str | Path, trust: bool = False, flag: str = "--wei
     path = Path(weights)
     if not path.is_file():
         raise FileNotFoundError(f"{flag} {weights}: file not found")
+    referenced = _globals_named_in(path)
     try:
-        with torch.serialization.safe_globals(_allowed_globals_in(path)):
+        allowed = allowed_classes(backends_named(referenced or set()))
+    except ValueError as e:
+        raise ValueError(f"{flag} {weights}: quantized with a backend whose library does not import here: {e}") from None
+    try:
+        with torch.serialization.safe_globals(_allowed_globals_in(allowed, referenced)):
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if not trust:
             raise ValueError(f"{flag} {weights}: holds objects outside the allow-list of YOLO classes "
-                             f"({_unsafe_globals(path) or e}); if you trust where the file comes from, "
+                             f"({_unsafe_globals(referenced, allowed) or e}); if you trust where the file comes from, "
                              "pass --trust-checkpoint") from None
         LOGGER.warning(f"WARNING: {flag} {weights}: fully unpickled (--trust-checkpoint): it could run code")
         ckpt = _load_untrusted(path, flag)
@@ -133,13 +164,9 @@ def _load_untrusted(path: Path, flag: str) -> dict:
         raise ValueError(f"{flag} {path}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
 
 
-def _unsafe_globals(path: Path) -> str:
-    allowed = {f"{c.__module__}.{c.__qualname__}" for c in allowed_classes()} | {n for _, n in _former_names()}
-    try:
-        names = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path)
-                 if g not in allowed and g != "builtins.getattr"]
-    except Exception:
-        return ""
+def _unsafe_globals(referenced: set[str] | None, allowed: tuple) -> str:
+    names = {f"{c.__module__}.{c.__qualname__}" for c in allowed} | {n for _, n in _former_names(allowed)}
+    names = sorted(g for g in referenced or () if g not in names and g != "builtins.getattr")
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 

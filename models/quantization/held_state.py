@@ -7,7 +7,8 @@ code write tensors in place without bumping `_version`, so a version-keyed entry
 did: every QAT epoch was judged on the weights of the first evaluation).
 
 - `held(*models)`: each calibrated quantizer's fake-quantization parameters (a host float per tensor, or
-  per-channel tensors) computed from its amax at entry. A training step reads them instead of reading amax back to
+  per-channel tensors) computed from its amax at entry, where its backend reads them (pytorch-quantization's; Model
+  Optimizer's op computes its scale at every call: models/quantization/backends/). A training step reads them instead of reading amax back to
   the host (a GPU sync per quantizer and step), and a compiled forward reads them as constants: it traces again when
   a later block holds other values (its guards compare them). Opened by each fine-tuning epoch (models/finetuning/finetune.py),
   each evaluation and each ONNX export of a quantized model (models/deployment/export.py, the scale-sharing rules' and mixed
@@ -40,7 +41,8 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from models.quantization.quantize import Int8Quantizer, QuantParams, fake_quant_with, quant_params
+from models.quantization.backends import Quantizer
+from models.quantization.fake_quant import QuantParams, fake_quant_with, quant_params
 
 
 class Held:
@@ -59,11 +61,11 @@ class Held:
         return self._weight[1]
 
 
-def _holdable(models: tuple[nn.Module, ...]) -> list[Int8Quantizer]:
-    """Each calibrated quantizer once (a shared quantizer is one object), learned ranges excepted."""
-    found = {id(m): m for model in models for m in model.modules() if isinstance(m, Int8Quantizer)}
-    return [q for q in found.values()
-            if getattr(q, "_amax", None) is not None and not q._amax.requires_grad and q._scale_amax is None]
+def _holdable(models: tuple[nn.Module, ...]) -> list[Quantizer]:
+    """Each calibrated quantizer once (a shared quantizer is one object) whose backend reads held scales, learned
+    ranges excepted."""
+    found = {id(m): m for model in models for m in model.modules() if isinstance(m, Quantizer)}
+    return [q for q in found.values() if q.holdable()]
 
 
 @contextlib.contextmanager

@@ -1,49 +1,36 @@
 """INT8 quantization of YOLOv9 / GELAN detection and segmentation models for TensorRT (explicit Q/DQ).
 
-The one place that owns quantization: which modules get quantizers (a declarative `QuantRecipe`),
-the quantized module variants, calibration, checkpoints. The TensorRT scale-sharing rules are derived
-in `models/quantization/rules.py`.
+The one place that owns quantization: which modules get quantizers (a declarative `QuantRecipe`), the quantized
+module variants, calibration. The quantizers themselves come from the recipe's backend (pytorch-quantization or
+Model Optimizer, models/quantization/backends/), through its small interface only; the TensorRT scale-sharing rules
+are derived in `models/quantization/rules.py`.
 
-Quantizers are pytorch-quantization's `TensorQuantizer` (its modules, state and Q/DQ export format),
-with two speed/correctness changes kept in `Int8Quantizer`:
-- fake quantization runs through PyTorch's native fused kernels with scales computed once per epoch or
-  evaluation (models/quantization/held_state.py: no host sync and one to three kernels per quantizer and step; FP16
-  activations stay FP16), using the same [-128, 127] range that the exported QuantizeLinear and TensorRT
-  use, so the model that is trained and evaluated is the model that is deployed;
-- calibration histograms use `models.quantization.calibration.HistogramCollector` (fast, CPU and GPU,
-  independent of batching).
-
-Calibration collects statistics once (`collect_statistics`); every candidate range (max, mse, entropy, three
-percentiles) is computed from those same statistics, so `--calib-method auto` can measure each candidate and keep
-the best (models/core/selection.py) for the cost of one pass over the calibration images.
+Calibration collects statistics once (`collect_statistics`, models.quantization.calibration.HistogramCollector for
+either backend); every candidate range (max, mse, entropy, three percentiles) is computed from those same
+statistics, so `--calib-method auto` can measure each candidate and keep the best (models/core/selection.py) for
+the cost of one pass over the calibration images.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import re
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from pytorch_quantization import nn as quant_nn
-from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
-from pytorch_quantization.tensor_quant import QuantDescriptor
 
 from models.common import AConv, ADown, Concat, RepNBottleneck
 from models.core.distributed import World
+from models.quantization.backends import BACKENDS, DEFAULT_BACKEND, Backend, Quantizer, convert_instance, get_backend
 from models.quantization.calibration import (AMAX_METHODS, AUTO_CANDIDATES, HISTOGRAM_CANDIDATES,  # noqa: F401
                                              PER_QUANTIZER, HistogramCollector, combine_statistics)
 from models.quantization.ranges import SEARCH_IMAGES, search
 
 CALIB_METHODS = ("auto",) + AMAX_METHODS + (PER_QUANTIZER,)
-CONVS = (nn.Conv2d, quant_nn.QuantConv2d)  # pytorch-quantization's conv is no nn.Conv2d subclass
-_MIN_AMAX = 1e-6  # TensorRT rejects a zero scale; a channel that is all zeros gets this instead
 
 
 # --------------------------------------------------------------------------------------------------
@@ -53,6 +40,7 @@ _MIN_AMAX = 1e-6  # TensorRT rejects a zero scale; a channel that is all zeros g
 class QuantRecipe:
     """What to quantize and how. Patterns are regexes matched (re.search) against module names."""
 
+    backend: str = DEFAULT_BACKEND     # the quantization library (models/quantization/backends/)
     num_bits: int = 8
     calib_method: str = "auto"         # auto (the best on the select split) | max | mse | percentile | entropy |
                                        # per-quantizer
@@ -67,6 +55,8 @@ class QuantRecipe:
     share_rules: bool = True
 
     def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {tuple(BACKENDS)}, got {self.backend!r}")
         if self.calib_method not in CALIB_METHODS:
             raise ValueError(f"--calib-method must be one of {CALIB_METHODS}, got {self.calib_method!r}")
         if not 0 <= self.percentile <= 100:
@@ -108,174 +98,8 @@ def skip_patterns(skip_layers: Iterable[str]) -> tuple[str, ...]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Quantizer
-# --------------------------------------------------------------------------------------------------
-class QuantParams(NamedTuple):
-    scale: float | torch.Tensor             # per tensor: a float; per channel: one value per output channel
-    inv_scale: float | torch.Tensor         # 1 / scale in float32, as the native kernels compute it
-    zero_point: int | torch.Tensor
-    bound: int                              # 127 for INT8: values are clamped to [-bound - 1, bound]
-
-
-def quant_params(amax: torch.Tensor, num_bits: int = 8) -> QuantParams:
-    """Scale and zero point for symmetric INT8 from amax, as host values / plain tensors.
-
-    Built outside the autograd and ONNX traces, so the exported scale is a constant, and held for a whole training
-    epoch or evaluation (models/quantization/held_state.py), so a step neither recomputes them nor waits on the GPU.
-    """
-    bound = 2 ** (num_bits - 1) - 1
-    scale = amax.detach().float().clamp_min(_MIN_AMAX).cpu().numpy() / bound
-    if scale.size == 1:
-        scale = scale.reshape(())
-        return QuantParams(float(scale), float(np.float32(1) / scale), 0, bound)
-    scale = torch.from_numpy(scale.reshape(-1).copy()).to(amax.device)
-    return QuantParams(scale, 1.0 / scale, torch.zeros_like(scale, dtype=torch.int32), bound)
-
-
-def fake_quant_with(x: torch.Tensor, params: QuantParams) -> torch.Tensor:
-    """Fake-quantize with precomputed `quant_params`: per tensor, or per channel along dim 0.
-
-    Exported by torch.onnx as QuantizeLinear/DequantizeLinear with int8 zero points.
-    """
-    scale, inv_scale, zero_point, bound = params
-    per_tensor = isinstance(scale, float)
-    dtype = x.dtype
-    # AMP activations: the CUDA kernel quantizes FP16/BF16 directly (it computes in FP32 inside);
-    # casting to FP32 and back would triple the memory traffic of every quantizer.
-    cast = dtype != torch.float32 and not (per_tensor and x.is_cuda and dtype in (torch.float16, torch.bfloat16))
-    if cast:  # only where the kernel lacks the dtype; never in ONNX export, which traces FP32 (no Cast nodes)
-        x = x.float()
-    if per_tensor and x.is_cpu and not (x.requires_grad and torch.is_grad_enabled()) \
-            and not torch.onnx.is_in_onnx_export() and not torch.compiler.is_compiling():
-        # Evaluation on a CPU: the native kernel takes ~2.5x as long as multiplying by the float32 1 / scale,
-        # rounding half to even, clamping and scaling in place, which give its values bit for bit (+ 0.0: its zeros
-        # are never negative; tests/test_quantize.py). Quantization was ~40 % of a CPU evaluation's time.
-        out = x.mul(inv_scale).round_().clamp_(-bound - 1, bound).mul_(scale).add_(0.0)
-    elif per_tensor:
-        out = torch.fake_quantize_per_tensor_affine(x, scale, zero_point, -bound - 1, bound)
-    elif torch.onnx.is_in_onnx_export():  # exports as QuantizeLinear/DequantizeLinear with axis=0
-        out = torch.fake_quantize_per_channel_affine(x, scale, zero_point, 0, -bound - 1, bound)
-    else:
-        # The same values and gradient mask as the per-channel kernel, which reads its zero points back to
-        # the host (two GPU syncs per weight and step): the per-tensor kernel at scale 1 rounds and clamps.
-        shape = (-1,) + (1,) * (x.dim() - 1)
-        out = torch.fake_quantize_per_tensor_affine(x * inv_scale.view(shape), 1.0, 0, -bound - 1, bound)
-        out = out * scale.view(shape)
-    return out.to(dtype) if cast else out
-
-
-def fake_quant_learnable(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
-    """Per-tensor fake quantization with a gradient for amax (LSQ: the step size learns from the rounding and
-    clipping errors it causes, scaled by 1/sqrt(numel * bound) as in the LSQ paper). The forward values equal
-    `fake_quant` with the same amax."""
-    bound = 2 ** (num_bits - 1) - 1
-    scale = (amax.float().clamp_min(_MIN_AMAX) / bound).reshape(1)
-    zero_point = torch.zeros(1, device=x.device)
-    grad_factor = 1.0 / math.sqrt(x.numel() * bound)
-    out = torch._fake_quantize_learnable_per_tensor_affine(x.float(), scale, zero_point, -bound - 1, bound, grad_factor)
-    return out.to(x.dtype)
-
-
-def fake_quant(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
-    """Symmetric fake quantization, per tensor (amax.numel()==1) or per channel along dim 0."""
-    return fake_quant_with(x, quant_params(amax, num_bits))
-
-
-class Int8Quantizer(TensorQuantizer):
-    """TensorQuantizer with native fake-quant kernels and device-safe checkpoint loading."""
-
-    # the values of an open models.quantization.held_state.held block (class default: also for unpickled quantizers)
-    _held = None
-
-    def __init__(self, quant_desc: QuantDescriptor):
-        super().__init__(quant_desc)
-        if quant_desc.axis is None:  # activations: one collector serves every method
-            self._calibrator = HistogramCollector(self._num_bits, self._unsigned)
-
-    def _quant_forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        amax = getattr(self, "_amax", None)
-        if amax is None or self._scale_amax is not None:  # dynamic range: recomputed every call
-            return fake_quant(inputs, self._get_amax(inputs), self._num_bits)
-        if amax.requires_grad and torch.is_grad_enabled() and not torch.onnx.is_in_onnx_export():
-            return fake_quant_learnable(inputs, amax, self._num_bits)
-        if self._held is not None:  # inside a held_state.held block: the scale computed at its start
-            return self._held.fake_quant(inputs)
-        if torch.compiler.is_compiling():  # a trace cannot read amax back to the host
-            raise RuntimeError("a compiled forward reached a quantizer outside a "
-                               "models.quantization.held_state.held block")
-        return fake_quant(inputs, amax, self._num_bits)
-
-    def __getstate__(self) -> dict:  # a block's values belong to the block: never pickled or deep-copied
-        state = super().__getstate__()
-        state.pop("_held", None)
-        return state
-
-    def _check_not_held(self) -> None:
-        if self._held is not None:
-            raise RuntimeError("a range changed inside a block that holds it fixed (models/quantization/held_state.py)")
-
-    def set_amax(self, amax: torch.Tensor) -> None:
-        self._check_not_held()
-        amax = amax.detach().float()
-        if isinstance(getattr(self, "_amax", None), nn.Parameter):  # learned amax: keep the parameter object
-            with torch.no_grad():
-                self._amax.copy_(amax.reshape(self._amax.shape))
-        elif hasattr(self, "_amax"):
-            self._amax = amax.to(self._amax.device).reshape(self._amax.shape) \
-                if amax.numel() == self._amax.numel() else amax.to(self._amax.device)
-        else:
-            self.register_buffer("_amax", amax)
-
-    def clear_amax(self) -> None:
-        self._check_not_held()
-        self._buffers.pop("_amax", None)
-        self._parameters.pop("_amax", None)
-
-    def make_amax_learnable(self) -> nn.Parameter:
-        """Turn the calibrated amax into a trained parameter (same value); idempotent."""
-        if not isinstance(self._amax, nn.Parameter):
-            value = self._buffers.pop("_amax")
-            self.register_parameter("_amax", nn.Parameter(value.clone()))
-        return self._amax
-
-    def freeze_amax(self) -> None:
-        """A learned amax back to a plain buffer (what checkpoints and exports hold)."""
-        if isinstance(getattr(self, "_amax", None), nn.Parameter):
-            value = self._parameters.pop("_amax").detach().clone()
-            self.register_buffer("_amax", value)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # pytorch-quantization creates a missing `_amax` with `.cuda()`; create it where the value is.
-        key = prefix + "_amax"
-        if key in state_dict:
-            self.set_amax(state_dict[key])
-        else:
-            self.clear_amax()
-        nn.Module._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)
-
-
-def _activation_desc(recipe: QuantRecipe) -> QuantDescriptor:
-    return QuantDescriptor(num_bits=recipe.num_bits, calib_method="histogram")
-
-
-def _weight_desc(recipe: QuantRecipe) -> QuantDescriptor:
-    return QuantDescriptor(num_bits=recipe.num_bits, axis=(0,), calib_method="max")
-
-
-# --------------------------------------------------------------------------------------------------
 # Quantized module variants (instances are converted, upstream classes are untouched)
 # --------------------------------------------------------------------------------------------------
-def _convert_instance(module: nn.Module, cls: type) -> nn.Module:
-    """Re-class a module instance into its quantized subclass, keeping its state and attributes
-    (YOLO's layer bookkeeping `f`, `i`, `type`, `np` included)."""
-    new = cls.__new__(cls)
-    new.__dict__ = module.__dict__.copy()
-    new._modules = module._modules.copy()
-    new._parameters = module._parameters.copy()
-    new._buffers = module._buffers.copy()
-    return new
-
-
 class QuantConcat(Concat):
     """Concat whose inputs are quantized by one quantizer: TensorRT concatenates INT8 in place."""
 
@@ -316,13 +140,9 @@ class QuantUpsample(nn.Upsample):
         return super().forward(self._input_quantizer(x))
 
 
-def _quantizer(desc: QuantDescriptor) -> Int8Quantizer:
-    return Int8Quantizer(desc)
-
-
 # Module type -> its quantized replacement (or None where an instance has nothing to quantize), as Model
 # Optimizer registers quantized module types. Exact types: subclasses carry their own forward.
-QUANTIZED_TYPES: dict[type, Callable[[nn.Module, QuantRecipe], nn.Module | None]] = {}
+QUANTIZED_TYPES: dict[type, Callable[[nn.Module, Backend, int], nn.Module | None]] = {}
 
 
 def register(*types: type):
@@ -333,38 +153,34 @@ def register(*types: type):
     return add
 
 
-# Conv and MaxPool are re-classed like the blocks below, not constructed: pytorch-quantization's constructors
-# check their caller with inspect.stack(), about 30 ms a layer (5.5 s of gelan-t's 9 s insertion on a CPU).
 @register(nn.Conv2d)
-def _quant_conv(conv: nn.Conv2d, recipe: QuantRecipe) -> quant_nn.QuantConv2d:
-    q = _convert_instance(conv, quant_nn.QuantConv2d)
-    q._fake_quant = True
+def _quant_conv(conv: nn.Conv2d, backend: Backend, num_bits: int) -> nn.Module:
+    q = backend.quantized_conv(conv)
     # fused convs may hold non-leaf tensors: fresh parameters with the same values
     q.weight = nn.Parameter(conv.weight.detach().clone())
     if conv.bias is not None:
         q.bias = nn.Parameter(conv.bias.detach().clone())
-    q._input_quantizer = _quantizer(_activation_desc(recipe))
-    q._weight_quantizer = _quantizer(_weight_desc(recipe))
+    q._input_quantizer = backend.activation_quantizer(num_bits)
+    q._weight_quantizer = backend.weight_quantizer(num_bits)
     return q
 
 
 @register(nn.MaxPool2d)
-def _quant_maxpool(pool: nn.MaxPool2d, recipe: QuantRecipe) -> quant_nn.QuantMaxPool2d:
-    q = _convert_instance(pool, quant_nn.QuantMaxPool2d)
-    q._fake_quant = True
-    q._input_quantizer = _quantizer(_activation_desc(recipe))
+def _quant_maxpool(pool: nn.MaxPool2d, backend: Backend, num_bits: int) -> nn.Module:
+    q = backend.quantized_maxpool(pool)
+    q._input_quantizer = backend.activation_quantizer(num_bits)
     return q
 
 
-def _attach(module: nn.Module, cls: type, names: tuple[str, ...], recipe: QuantRecipe) -> nn.Module:
-    new = _convert_instance(module, cls)
+def _attach(module: nn.Module, cls: type, names: tuple[str, ...], backend: Backend, num_bits: int) -> nn.Module:
+    new = convert_instance(module, cls)
     for name in names:
-        new.add_module(name, _quantizer(_activation_desc(recipe)))
+        new.add_module(name, backend.activation_quantizer(num_bits))
     return new
 
 
 def _register_attached(cls: type, quantized: type, names: tuple[str, ...], when=lambda m: True) -> None:
-    register(cls)(lambda m, recipe: _attach(m, quantized, names, recipe) if when(m) else None)
+    register(cls)(lambda m, backend, num_bits: _attach(m, quantized, names, backend, num_bits) if when(m) else None)
 
 
 _register_attached(nn.Upsample, QuantUpsample, ("_input_quantizer",))
@@ -374,17 +190,17 @@ _register_attached(AConv, QuantAConv, ("_avgpool_quantizer",))
 _register_attached(RepNBottleneck, QuantRepNBottleneck, ("_add_quantizer0", "_add_quantizer1"), lambda m: m.add)
 
 
-def _replace_modules(module: nn.Module, recipe: QuantRecipe, prefix: str = "") -> None:
+def _replace_modules(module: nn.Module, recipe: QuantRecipe, backend: Backend, prefix: str = "") -> None:
     for name, child in list(module.named_children()):
         full = f"{prefix}.{name}" if prefix else name
         if recipe.is_skipped(full):
             continue
         make = QUANTIZED_TYPES.get(type(child))
-        new = make(child, recipe) if make is not None else None
+        new = make(child, backend, recipe.num_bits) if make is not None else None
         if new is not None:
             setattr(module, name, new)
             child = new
-        _replace_modules(child, recipe, full)
+        _replace_modules(child, recipe, backend, full)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -397,9 +213,10 @@ def float_convs(model: nn.Module, recipe: QuantRecipe = QuantRecipe()) -> list[s
         return []
     out = []
     for name, m in model.named_modules():
-        if not isinstance(m, CONVS) or any(re.search(p, name) for p in recipe.never_quantize):
+        if not is_conv(m) or any(re.search(p, name) for p in recipe.never_quantize):
             continue
-        if not isinstance(m, quant_nn.QuantConv2d) or m._weight_quantizer._disabled:
+        weights = _weight_quantizer(m)
+        if weights is None or weights._disabled:
             out.append(name)
     return out
 
@@ -412,7 +229,7 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe = QuantRecipe(), imgsz:
     """
     if is_quantized(model):
         raise ValueError("model is already quantized")
-    _replace_modules(model, recipe)
+    _replace_modules(model, recipe, get_backend(recipe.backend))
     if recipe.share_rules:
         from models.quantization.rules import share_quantizers  # rules need the quantized model first
         share_quantizers(model, imgsz=imgsz, share_add_inputs=recipe.share_add_inputs)
@@ -433,30 +250,51 @@ def freeze_amax(model: nn.Module) -> nn.Module:
 
 
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, TensorQuantizer) for m in model.modules())
+    return any(isinstance(m, Quantizer) for m in model.modules())
 
 
-def is_enabled(quantizer: TensorQuantizer) -> bool:
+def backend_of(model: nn.Module) -> str:
+    """The backend a quantized model's quantizers come from."""
+    return next(m.backend_name for m in model.modules() if isinstance(m, Quantizer))
+
+
+def holds_scales(model: nn.Module) -> bool:
+    """Whether the model's quantizers read scales held per epoch (models/quantization/held_state.py), which a
+    compiled step needs."""
+    return all(m.holds_scales for m in model.modules() if isinstance(m, Quantizer))
+
+
+def _weight_quantizer(m: nn.Module) -> Quantizer | None:
+    q = getattr(m, "_weight_quantizer", None)
+    return q if isinstance(q, Quantizer) else None
+
+
+def is_conv(m: nn.Module) -> bool:
+    """A conv, quantized or not (pytorch-quantization's QuantConv2d is no nn.Conv2d subclass)."""
+    return isinstance(m, nn.Conv2d) or _weight_quantizer(m) is not None
+
+
+def is_enabled(quantizer: Quantizer) -> bool:
     return not quantizer._disabled
 
 
-def quantized_convs(model: nn.Module) -> Iterator[tuple[str, nn.Module, TensorQuantizer, TensorQuantizer]]:
+def quantized_convs(model: nn.Module) -> Iterator[tuple[str, nn.Module, Quantizer, Quantizer]]:
     """Each quantized conv with its input and weight quantizers: what the stages above read of a conv, so that
     only this package names the quantization library's attributes."""
     for name, m in model.named_modules():
-        if isinstance(m, quant_nn.QuantConv2d):
+        if _weight_quantizer(m) is not None:
             yield name, m, m._input_quantizer, m._weight_quantizer
 
 
-def named_quantizers(model: nn.Module, activations_only: bool = False) -> Iterator[tuple[str, TensorQuantizer]]:
+def named_quantizers(model: nn.Module, activations_only: bool = False) -> Iterator[tuple[str, Quantizer]]:
     """Every distinct quantizer once (a shared one under its first name)."""
     for name, m in model.named_modules():
-        if isinstance(m, TensorQuantizer) and not (activations_only and m.axis is not None):
+        if isinstance(m, Quantizer) and not (activations_only and m.axis is not None):
             yield name, m
 
 
 def quantizer_counts(model: nn.Module) -> dict[str, int]:
-    placements = sum(isinstance(m, TensorQuantizer) for _, m in model.named_modules(remove_duplicate=False))
+    placements = sum(isinstance(m, Quantizer) for _, m in model.named_modules(remove_duplicate=False))
     distinct = list(named_quantizers(model))
     return {
         "placements": placements,
@@ -468,7 +306,7 @@ def quantizer_counts(model: nn.Module) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def quantization_disabled(quantizers: Iterable[TensorQuantizer]):
+def quantization_disabled(quantizers: Iterable[Quantizer]):
     """Temporarily run the given quantizers as identity."""
     quantizers = [q for q in quantizers if not q._disabled]
     for q in quantizers:
@@ -483,10 +321,8 @@ def quantization_disabled(quantizers: Iterable[TensorQuantizer]):
 @torch.no_grad()
 def calibrate_weights(model: nn.Module) -> None:
     """Per-output-channel max |w| of every quantized conv weight (no data needed)."""
-    for m in model.modules():
-        if isinstance(m, quant_nn.QuantConv2d):
-            w = m.weight.detach().float()
-            m._weight_quantizer.set_amax(w.abs().amax(dim=(1, 2, 3), keepdim=True))
+    for _, m, _, weights in quantized_convs(model):
+        weights.set_amax(m.weight.detach().float().abs().amax(dim=(1, 2, 3), keepdim=True))
 
 
 class ActivationStatistics:
@@ -495,7 +331,7 @@ class ActivationStatistics:
     runs `model` on `images` (the first calibration images, every rank's share in one process's order): rank 0
     searches and every rank gets its result, so all ranks hold the same ranges."""
 
-    def __init__(self, names: list[str], quantizers: list[TensorQuantizer], collectors: list[HistogramCollector],
+    def __init__(self, names: list[str], quantizers: list[Quantizer], collectors: list[HistogramCollector],
                  candidates: dict[str, tuple[str, float | None]], collect_s: float, model: nn.Module,
                  images: torch.Tensor | None = None, world: World = World()):
         self.names, self.quantizers, self.collectors, self.candidates = names, quantizers, collectors, candidates
@@ -510,7 +346,7 @@ class ActivationStatistics:
             method, percentile = self.candidates.get(name) or HISTOGRAM_CANDIDATES[name]  # the search's pool too
             t0 = time.perf_counter()
             if method == PER_QUANTIZER:
-                with quiet_quantizers():
+                with quiet(self.model):
                     self._ranges[name] = self._search()
             else:
                 kwargs = {} if percentile is None else {"percentile": percentile}
@@ -533,17 +369,9 @@ class ActivationStatistics:
             q.set_amax(amax.reshape(()).to(self.device))
 
 
-@contextlib.contextmanager
-def quiet_quantizers():
-    """pytorch-quantization logs every quantizer's state change through absl (hundreds of lines per calibration
-    of a large model): kept to errors while the quantizers are switched, the caller prints one summary instead."""
-    from absl import logging as absl_logging
-    level = absl_logging.get_verbosity()
-    absl_logging.set_verbosity(absl_logging.ERROR)
-    try:
-        yield
-    finally:
-        absl_logging.set_verbosity(level)
+def quiet(model: nn.Module):
+    """The model's quantization library kept to errors while its quantizers are switched (a summary follows)."""
+    return get_backend(backend_of(model)).quiet()
 
 
 @torch.no_grad()
@@ -552,7 +380,7 @@ def collect_statistics(model: nn.Module, recipe: QuantRecipe, batches: Iterable[
     """One pass over `batches` (on the model's device, float, 0-1 scaled): the histogram and maximum of every
     enabled activation quantizer's input, and the per-channel weight ranges. In a distributed job each rank passes
     its share of the calibration images and gets the combined statistics (models/core/distributed.py)."""
-    with quiet_quantizers():
+    with quiet(model):
         return _collect_statistics(model, recipe, batches, world)
 
 
@@ -634,9 +462,7 @@ def copy_float(model: nn.Module) -> nn.Module:
 
 
 __all__ = [
-    "QuantRecipe", "Int8Quantizer", "fake_quant", "fake_quant_with", "fake_quant_learnable",
-    "learnable_amax_parameters",
-    "freeze_amax", "quant_params", "quantize_model", "is_quantized",
+    "QuantRecipe", "learnable_amax_parameters", "freeze_amax", "quantize_model", "is_quantized", "backend_of",
     "named_quantizers", "quantizer_counts", "quantization_disabled", "calibrate",
     "collect_statistics", "ActivationStatistics", "AUTO_CANDIDATES", "HISTOGRAM_CANDIDATES",
     "calibrate_weights", "copy_float",

@@ -22,16 +22,16 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.nn as nn
-from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 from tqdm import tqdm
 
 from models.core.layer_outputs import LayerOutputs
 from models.core.losses import head_distillation
+from models.quantization.backends import Quantizer
 
 SEARCH_IMAGES = 16  # the first calibration images: the error is compared on these
 
 
-def owners(model: nn.Module, quantizers: Sequence[TensorQuantizer]) -> list[list[nn.Module]]:
+def owners(model: nn.Module, quantizers: Sequence[Quantizer]) -> list[list[nn.Module]]:
     """For each quantizer, the modules holding it as a direct child (the modules that read its INT8 tensor)."""
     index = {id(q): k for k, q in enumerate(quantizers)}
     found: list[dict[int, nn.Module]] = [{} for _ in quantizers]
@@ -51,7 +51,7 @@ def _hooks(handles: list) -> Iterator[None]:
             h.remove()
 
 
-def call_order(model: nn.Module, quantizers: Sequence[TensorQuantizer], images: torch.Tensor) -> list[int]:
+def call_order(model: nn.Module, quantizers: Sequence[Quantizer], images: torch.Tensor) -> list[int]:
     """The quantizers' indices in the order the forward first calls them (quantizers never called come last)."""
     index = {id(q): k for k, q in enumerate(quantizers)}
     order: dict[int, None] = {}
@@ -62,7 +62,7 @@ def call_order(model: nn.Module, quantizers: Sequence[TensorQuantizer], images: 
 
 
 @contextlib.contextmanager
-def _all_off(quantizers: Sequence[TensorQuantizer]) -> Iterator[None]:
+def _all_off(quantizers: Sequence[Quantizer]) -> Iterator[None]:
     was = [q._disabled for q in quantizers]
     for q in quantizers:
         q.disable()
@@ -80,7 +80,7 @@ def _weights_quantized_once(model: nn.Module) -> Iterator[None]:
     skips the weights' fake quantization, which costs as much as the convolutions on a few small images, and
     computes the same values (quantizing a weight once gives what quantizing it at every pass gives)."""
     held = [(m, m.weight.data) for m in model.modules()
-            if isinstance(getattr(m, "_weight_quantizer", None), TensorQuantizer) and not m._weight_quantizer._disabled]
+            if isinstance(getattr(m, "_weight_quantizer", None), Quantizer) and not m._weight_quantizer._disabled]
     with torch.no_grad():
         for m, weight in held:
             m.weight.data = m._weight_quantizer(weight)
@@ -93,7 +93,7 @@ def _weights_quantized_once(model: nn.Module) -> Iterator[None]:
             m._weight_quantizer.enable()
 
 
-def search(model: nn.Module, quantizers: Sequence[TensorQuantizer], candidates: dict[str, list[torch.Tensor]],
+def search(model: nn.Module, quantizers: Sequence[Quantizer], candidates: dict[str, list[torch.Tensor]],
            images: torch.Tensor) -> tuple[list[torch.Tensor], list[str], list[int]]:
     """Each activation quantizer's range, one of `candidates` ({method: one amax per quantizer}, in the order ties
     go to), chosen as the module docstring says. Returns the ranges, the method chosen for each quantizer and the
@@ -104,7 +104,7 @@ def search(model: nn.Module, quantizers: Sequence[TensorQuantizer], candidates: 
     are kept, so a candidate costs the rest of the network, not a whole forward pass."""
     device = images.device
     readers = owners(model, quantizers)
-    weights = [m for m in model.modules() if isinstance(m, TensorQuantizer) and m.axis is not None and not m._disabled]
+    weights = [m for m in model.modules() if isinstance(m, Quantizer) and m.axis is not None and not m._disabled]
     was_training = model.training
     model.eval()
     methods = list(candidates)

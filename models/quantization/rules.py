@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 
+from models.quantization.backends import Quantizer
 from models.quantization.held_state import held
 from utils.onnx_utils import constant_values, model_to_onnx, quantized_classes, scale_of
 
@@ -32,14 +32,14 @@ def _marker_index(scale: float, bound: int) -> int:
 
 
 def derive_shared_groups(model: nn.Module, imgsz: int = 64,
-                         share_add_inputs: bool = True) -> list[list[TensorQuantizer]]:
+                         share_add_inputs: bool = True) -> list[list[Quantizer]]:
     """Groups (size >= 2) of distinct per-tensor quantizers that must share one amax."""
-    quantizers: list[TensorQuantizer] = []
+    quantizers: list[Quantizer] = []
     for m in model.modules():  # distinct objects, in module order
-        if isinstance(m, TensorQuantizer) and m.axis is None and not m._disabled:
+        if isinstance(m, Quantizer) and m.axis is None and not m._disabled:
             quantizers.append(m)
     # weights are quantized per channel and never join: without their Q/DQ pairs the trace is half the work
-    weights = [m for m in model.modules() if isinstance(m, TensorQuantizer) and m.axis is not None and not m._disabled]
+    weights = [m for m in model.modules() if isinstance(m, Quantizer) and m.axis is not None and not m._disabled]
     device = next(model.parameters()).device
     saved = [None if q.amax is None else q.amax.clone() for q in quantizers]
     try:
