@@ -253,8 +253,9 @@ def measure_each_in_float(model: nn.Module, candidates: list[Candidate], inputs:
 # --------------------------------------------------------------------------------------------------
 # quantize: PTQ, then QAT (or its float control); resumable
 # --------------------------------------------------------------------------------------------------
-class QuantizeRun:
-    """One run folder: report.json written after every stage, checkpoints, and the state --resume reads."""
+class RunFolder:
+    """One run folder: report.json written after every stage, checkpoints, the delivered model (offered each
+    stage's result, kept where it beats the current one on select) and the state --resume reads."""
 
     def __init__(self, cfg: RunConfig, save_dir: Path, report: dict, inputs: Inputs):
         self.cfg, self.save_dir, self.report, self.inputs = cfg, save_dir, report, inputs
@@ -287,130 +288,6 @@ class QuantizeRun:
             save_checkpoint(model, path, **extra)
         return path
 
-    def run(self) -> dict:
-        try:
-            teacher = copy_float(self.inputs.model)
-            ptq_file = self.report.get("ptq_file")
-            if ptq_file and Path(ptq_file).is_file():  # resumed after PTQ
-                model = load_quantized_model(ptq_file, self.inputs.device)
-            else:
-                model = self.ptq()
-            if self.cfg.finetunes:
-                self.finetune(model, teacher)
-        except KeyboardInterrupt:
-            raise Interrupted(f"interrupted; resume with: python qat.py quantize --resume {self.save_dir}") from None
-        return self.finish()
-
-    def ptq(self) -> nn.Module:
-        """Quantizers inserted, statistics collected once, every candidate range measured on select and the best
-        kept (`auto`; a fixed method has one candidate)."""
-        cfg, inputs, report = self.cfg, self.inputs, self.report
-        model = inputs.model
-        if cfg.eval_origin or cfg.max_loss is not None:  # the budget is relative to the float model on select
-            report["origin"] = self.measure(model, "origin (float)")
-        if cfg.eval_origin:
-            report.setdefault("val", {})["origin"] = self.measure_val(lambda: model, "origin (float)", report["origin"])
-        self.save_report()
-        t0 = time.perf_counter()
-        quantize_model(model, cfg.quant)
-        report["quantizers"] = quantizer_counts(model)
-        insert_s = time.perf_counter() - t0
-        # the full control disables every quantizer: its ranges are never used, one cheap candidate is enough
-        recipe = replace(cfg.quant, calib_method="max") if cfg.control == "all" else cfg.quant
-        calibration, results, seen = self.calibrate_ranges(model, recipe, "PTQ", cfg.save_candidates)
-        calibration["seconds"] = {"insert_quantizers": round(insert_s, 2), **calibration["seconds"]}
-        report["calibration"] = {
-            "method": "max (control: quantizers disabled)" if cfg.control == "all" else cfg.quant.calib_method,
-            **calibration}
-        report["calibration_images"] = seen
-        chosen = calibration["chosen"]
-        LOGGER.info(f"{PREFIX}{report['quantizers']['distinct']} quantizers calibrated on {len(seen)} images, "
-                    f"{_scores_line(calibration['candidates'], chosen)}")
-        report["ptq"] = results[chosen]
-        if cfg.max_loss is not None:
-            report["ptq"] = self.mix(model, report["origin"], report["ptq"])
-        ptq_file = self.weights_dir / f"ptq_ap_{_ap_tag(report['ptq'])}_{self.stem}.pt"
-        report["ptq_file"] = str(self.save(model, ptq_file, stage="ptq", epoch=0, metrics=report["ptq"]))
-        report["qat"] = []
-        if not cfg.control and report["ptq"] is not None:
-            self.offer("ptq", 0, ptq_file, report["ptq"])
-        self.save_report()
-        inputs.world.barrier()
-        return model
-
-    def calibrate_ranges(self, model: nn.Module, recipe: QuantRecipe, what: str, save_candidates: bool = False
-                         ) -> tuple[dict, dict[str, dict | None], list[str]]:
-        """Statistics of the calibration images (the run's seeded sample of the fit images, the same every time),
-        every candidate range measured on select and the best applied (with `save_candidates`, each candidate's
-        model saved as it was measured). Returns the record for report.json, every candidate's metrics and the
-        calibration images' names, in one process's order. Every rank calls it."""
-        cfg, inputs, world = self.cfg, self.inputs, self.inputs.world
-        loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=False, world=world)
-        n = min(recipe.calib_batches, len(loader))  # global batches: each rank loads its share of each
-        seen: list[list[str]] = []
-        images = _images_noting_files(seeded_batches(loader, inputs.device, n, cfg.seed), seen)
-        progress = tqdm(images, total=n, desc=f"{PREFIX}calibrating", disable=not world.main)
-        stats = collect_statistics(model, recipe, progress, world)
-        t1 = time.perf_counter()
-        names, task = list(stats.candidates), inputs.task
-        saved: dict[str, str] = {}
-
-        def measure(name: str) -> dict | None:
-            metrics = self.measure(model, f"{what} {name}")
-            if save_candidates:  # each candidate's model, for measuring it elsewhere (--save-candidates)
-                f = self.weights_dir / f"ptq_{name}_{self.stem}.pt"
-                saved[name] = str(self.save(model, f, stage="ptq", candidate=name, metrics=metrics))
-            return metrics
-        if len(names) > 1:
-            chosen, results = choose_calibration(stats.apply, measure, task.score, names, world.broadcast)
-        else:
-            chosen = names[0]
-            stats.apply(chosen)
-            results = {chosen: measure(chosen) if cfg.eval_ptq else None}
-        scores = {k: None if v is None else round(task.score(v), 6) for k, v in results.items()}
-        # a peer calibrates on the same images: batch by batch, rank by rank
-        seen = [Path(f).name for batch in zip(*world.all_gather(seen)) for share in batch for f in share]
-        record = {"chosen": chosen, "candidates": scores, "images": len(seen),
-                  "seconds": {"collect": round(stats.collect_s, 2), "ranges": stats.amax_s,
-                              "ranges_and_evaluations": round(time.perf_counter() - t1, 2)}}
-        if saved:
-            record["saved"] = {k: {"file": f, "metrics": results[k]} for k, f in saved.items()}
-        if stats.per_quantizer:  # what each quantizer took in the per-quantizer candidate
-            record["per_quantizer"] = {"images": len(stats.images), "methods": stats.per_quantizer,
-                                       "counts": dict(Counter(stats.per_quantizer.values()).most_common())}
-        return record, results, seen
-
-    def mix(self, model: nn.Module, origin: dict | None, ptq: dict | None) -> dict | None:
-        """Mixed precision (models/mixed_precision.py): the INT8 tensors kept in float, chosen on select by rank 0
-        and applied on every rank; report.json's `mixed_precision`. Returns the select metrics of the PTQ model
-        now delivered as the PTQ stage."""
-        cfg, inputs, world, task = self.cfg, self.inputs, self.inputs.world, self.inputs.task
-        candidates = float_candidates(model, cfg.imgsz)
-        record, mixed = None, None
-        if world.main:
-            ptq = ptq or self.measure(model, "PTQ (all INT8)")
-            images = next(iter(inputs.select))[0].float().div(255).to(inputs.device)
-            record, mixed = choose_float_set(model, candidates, MixedPrecision(cfg.max_loss), task.score(origin),
-                                             task.score(ptq), lambda desc: self.measure(model, desc),
-                                             lambda cs: measure_each_in_float(model, cs, inputs, cfg.nms), task.score,
-                                             LayerOutputs(model, images))
-        record = world.broadcast(record)
-        kept = {c["name"] for c in record["kept_float"]}
-        keep_float(model, [c for c in candidates if c.name in kept])
-        if kept:  # measured while choosing (rank 0; the others hold None, as from measure)
-            ptq = mixed
-        if world.main:
-            record.update(deployment_summary(model, cfg.imgsz))
-        self.report["mixed_precision"] = record
-        if world.main:
-            LOGGER.info(f"{PREFIX}mixed precision: {len(record['float_convs'])} conv(s) kept in float, "
-                        f"{record['int8_mac_share']:.1%} of conv MACs in INT8, {record['boundaries']} INT8/float "
-                        f"boundaries; select {task.score(ptq):.4f} (all INT8 {record['all_int8_select']:.4f}, float "
-                        f"{record['origin_select']:.4f}, budget {cfg.max_loss})"
-                        + ("" if record["reached"] else ": NO set of the measured candidates reached the budget; "
-                                                         "the best one found is kept"))
-        return ptq
-
     def offer(self, stage: str, epoch: int, saved: Path, metrics: dict) -> None:
         """The model saved in `saved` (with this stage, epoch and metrics) becomes the delivered one
         (weights/best_{stem}.pt, a copy) where it beats the current one on select; the PTQ model is offered first, so
@@ -423,84 +300,6 @@ class QuantizeRun:
             return
         f = copy_checkpoint(saved, self.weights_dir / f"best_{self.stem}.pt")
         self.report["final"] = {"stage": stage, "epoch": epoch, "score": round(score, 6), **metrics, "file": str(f)}
-
-    def finetune(self, model: nn.Module, teacher: nn.Module) -> None:
-        """QAT (or the float control) epochs; after each: evaluation, checkpoints, report.json and the state that
-        `--resume` continues from."""
-        cfg, inputs, report = self.cfg, self.inputs, self.report
-        state_file = self.weights_dir / STATE_FILE
-        state = read_checkpoint(state_file, flag="--resume") if state_file.is_file() else None
-        if state is not None:
-            model = state["model"].to(inputs.device)
-        world = inputs.world
-        start = 0 if state is None else state["epoch"]
-        # the float epochs train with every quantizer off; the saved state past them has them on, recalibrated
-        for q in controlled_quantizers(model, cfg.control or ("all" if start < cfg.float_epochs else "")):
-            q.disable()
-        if cfg.qat.learn_amax:
-            learnable_amax_parameters(model)
-        loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=True, world=world)
-        iters = cfg.iters or math.ceil(len(loader.dataset) / cfg.batch_size)  # 0: one pass over the images
-        plan = plan_step(cfg.step, inputs.device, inputs.task.has_masks, cfg.qat.learn_amax,
-                         iterations=(cfg.epochs - start) * iters, held_scales=holds_scales(model))
-        if world.main:
-            LOGGER.info(f"{PREFIX}fine-tuning step: {plan.reason}")
-        to_layout(model, plan)
-        to_layout(teacher, plan)
-        same_on_every_rank(world, "quantizers turned off",
-                           sorted(n for n, q in named_quantizers(model) if not is_enabled(q)))
-        forward = compiled(data_parallel(model, world, inputs.device), plan)
-        with QATObjective(cfg.qat, model, teacher, inputs.hyp_dict, forward, compiled(teacher, plan)) as objective:
-            tuner = FineTuner(objective, cfg.epochs, iters, amp=inputs.device.type == "cuda", plan=plan)
-            report["step"] = {"plan": plan.reason}
-            if state is not None:
-                tuner.load_state(state, inputs.device)
-            # epochs past the saved state are run again (seeded: the same); their entries would be duplicates
-            report["qat"] = report.get("qat", [])[:start]
-            report["qat_best"] = max((e for e in report["qat"] if e.get("stage") != "float"), key=inputs.task.score,
-                                     default=None)
-            if report.get("recalibrated", {}).get("epoch", 0) > start:
-                report.pop("recalibrated")
-            self.rewind_final(start)
-            for epoch in range(start, cfg.epochs):
-                t0 = time.perf_counter()
-                batches = seeded_batches(loader, inputs.device, iters, seed=cfg.seed + 1 + epoch)
-                stage = self.stage_of(epoch + 1)
-                desc = f"{PREFIX}{stage} epoch {epoch + 1}/{cfg.epochs}" if world.main else ""  # one progress bar
-                losses = tuner.epoch(batches, desc)
-                if tuner.first_step_s is not None and "first_step_s" not in report["step"] and world.main:
-                    report["step"]["first_step_s"] = round(tuner.first_step_s, 1)
-                    LOGGER.info(f"{PREFIX}the compiled step's first iteration (tracing and compiling) took "
-                                f"{tuner.first_step_s:.1f} s")
-                if world.main:
-                    self.end_epoch(epoch + 1, tuner, losses, time.perf_counter() - t0)
-                if epoch + 1 == cfg.float_epochs:
-                    self.recalibrate(model, epoch + 1)
-                if world.main:
-                    save_checkpoint(model, state_file, epoch=epoch + 1, **tuner.state())
-                world.barrier()
-
-    def stage_of(self, epoch: int) -> str:
-        """What fine-tuning epoch `epoch` (from 1) is: a float control's, a float epoch before QAT, or QAT."""
-        return "control" if self.cfg.control else "float" if epoch <= self.cfg.float_epochs else "qat"
-
-    def recalibrate(self, model: nn.Module, epoch: int) -> None:
-        """After the float epochs: every quantizer on again, ranges calibrated anew for the fine-tuned weights (the
-        run's method, the same images), the result offered like the first PTQ model. QAT continues from it."""
-        for q in controlled_quantizers(model, "all"):
-            q.enable()
-        record, results, _ = self.calibrate_ranges(model, self.cfg.quant, f"PTQ after epoch {epoch}")
-        metrics = results[record["chosen"]]
-        if not self.inputs.world.main:
-            return
-        LOGGER.info(f"{PREFIX}recalibrated after {epoch} float epoch(s): "
-                    f"{_scores_line(record['candidates'], record['chosen'])}")
-        f = self.save(model, self.weights_dir / f"ptq_ep_{epoch}_ap_{_ap_tag(metrics)}_{self.stem}.pt",
-                      stage="ptq", epoch=epoch, metrics=metrics)
-        self.report["recalibrated"] = {"epoch": epoch, **record, "metrics": metrics, "file": str(f)}
-        if metrics is not None:
-            self.offer("ptq", epoch, f, metrics)
-        self.save_report()
 
     def rewind_final(self, start: int) -> None:
         """After a resume from epoch `start`: the delivered model as it was then (later epochs are run again)."""
@@ -517,27 +316,6 @@ class QuantizeRun:
         for stage, epoch, metrics, file in stages:
             if metrics is not None:
                 self.offer(stage, epoch, Path(file), metrics)
-
-    def end_epoch(self, epoch: int, tuner: FineTuner, losses: dict, train_s: float) -> None:
-        report, trained, stage = self.report, tuner.trained, self.stage_of(epoch)
-        metrics = self.measure(trained, f"epoch {epoch}")
-        kind = "float" if stage == "float" else "qat"
-        f = self.weights_dir / f"{kind}_ep_{epoch}_ap_{_ap_tag(metrics)}_{self.stem}.pt"
-        save_checkpoint(trained, f, stage=stage, epoch=epoch, metrics=metrics)
-        entry = {"epoch": epoch, "stage": stage, **{k: round(v, 6) for k, v in losses.items()},
-                 "lr_end": tuner.optimizer.param_groups[0]["lr"], "train_s": round(train_s, 2), **metrics,
-                 "file": str(f)}
-        report["qat"].append(entry)
-        if stage == "float":  # a float model: measured, never delivered
-            self.save_report()
-            return
-        best = report.get("qat_best")
-        if best is None or self.inputs.task.score(metrics) > self.inputs.task.score(best):
-            report["qat_best"] = entry
-            report["qat_best_file"] = str(copy_checkpoint(f, self.weights_dir / f"qat_best_{self.stem}.pt"))
-        self.offer(stage, epoch, f, metrics)
-        # report first: a kill between the two repeats this epoch (the same, it is seeded) rather than lose it
-        self.save_report()
 
     def finish(self) -> dict:
         report, task = self.report, self.inputs.task
@@ -572,6 +350,254 @@ class QuantizeRun:
         return report
 
 
+
+
+class PTQStage:
+    """Post-training quantization: quantizers inserted, calibration statistics collected once, every candidate
+    range measured on select and the best kept, mixed precision to a budget; the result offered for delivery."""
+
+    def __init__(self, folder: RunFolder):
+        self.folder, self.cfg, self.inputs, self.report = folder, folder.cfg, folder.inputs, folder.report
+
+    def run(self) -> nn.Module:
+        """Quantizers inserted, statistics collected once, every candidate range measured on select and the best
+        kept (`auto`; a fixed method has one candidate)."""
+        cfg, inputs, report = self.cfg, self.inputs, self.report
+        model = inputs.model
+        if cfg.eval_origin or cfg.max_loss is not None:  # the budget is relative to the float model on select
+            report["origin"] = self.folder.measure(model, "origin (float)")
+        if cfg.eval_origin:
+            report.setdefault("val", {})["origin"] = self.folder.measure_val(lambda: model, "origin (float)",
+                                                                             report["origin"])
+        self.folder.save_report()
+        t0 = time.perf_counter()
+        quantize_model(model, cfg.quant)
+        report["quantizers"] = quantizer_counts(model)
+        insert_s = time.perf_counter() - t0
+        # the full control disables every quantizer: its ranges are never used, one cheap candidate is enough
+        recipe = replace(cfg.quant, calib_method="max") if cfg.control == "all" else cfg.quant
+        calibration, results, seen = self.calibrate_ranges(model, recipe, "PTQ", cfg.save_candidates)
+        calibration["seconds"] = {"insert_quantizers": round(insert_s, 2), **calibration["seconds"]}
+        report["calibration"] = {
+            "method": "max (control: quantizers disabled)" if cfg.control == "all" else cfg.quant.calib_method,
+            **calibration}
+        report["calibration_images"] = seen
+        chosen = calibration["chosen"]
+        LOGGER.info(f"{PREFIX}{report['quantizers']['distinct']} quantizers calibrated on {len(seen)} images, "
+                    f"{_scores_line(calibration['candidates'], chosen)}")
+        report["ptq"] = results[chosen]
+        if cfg.max_loss is not None:
+            report["ptq"] = self.mix(model, report["origin"], report["ptq"])
+        ptq_file = self.folder.weights_dir / f"ptq_ap_{_ap_tag(report['ptq'])}_{self.folder.stem}.pt"
+        report["ptq_file"] = str(self.folder.save(model, ptq_file, stage="ptq", epoch=0, metrics=report["ptq"]))
+        report["qat"] = []
+        if not cfg.control and report["ptq"] is not None:
+            self.folder.offer("ptq", 0, ptq_file, report["ptq"])
+        self.folder.save_report()
+        inputs.world.barrier()
+        return model
+
+    def calibrate_ranges(self, model: nn.Module, recipe: QuantRecipe, what: str, save_candidates: bool = False
+                         ) -> tuple[dict, dict[str, dict | None], list[str]]:
+        """Statistics of the calibration images (the run's seeded sample of the fit images, the same every time),
+        every candidate range measured on select and the best applied (with `save_candidates`, each candidate's
+        model saved as it was measured). Returns the record for report.json, every candidate's metrics and the
+        calibration images' names, in one process's order. Every rank calls it."""
+        cfg, inputs, world = self.cfg, self.inputs, self.inputs.world
+        loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=False, world=world)
+        n = min(recipe.calib_batches, len(loader))  # global batches: each rank loads its share of each
+        seen: list[list[str]] = []
+        images = _images_noting_files(seeded_batches(loader, inputs.device, n, cfg.seed), seen)
+        progress = tqdm(images, total=n, desc=f"{PREFIX}calibrating", disable=not world.main)
+        stats = collect_statistics(model, recipe, progress, world)
+        t1 = time.perf_counter()
+        names, task = list(stats.candidates), inputs.task
+        saved: dict[str, str] = {}
+
+        def measure(name: str) -> dict | None:
+            metrics = self.folder.measure(model, f"{what} {name}")
+            if save_candidates:  # each candidate's model, for measuring it elsewhere (--save-candidates)
+                f = self.folder.weights_dir / f"ptq_{name}_{self.folder.stem}.pt"
+                saved[name] = str(self.folder.save(model, f, stage="ptq", candidate=name, metrics=metrics))
+            return metrics
+        if len(names) > 1:
+            chosen, results = choose_calibration(stats.apply, measure, task.score, names, world.broadcast)
+        else:
+            chosen = names[0]
+            stats.apply(chosen)
+            results = {chosen: measure(chosen) if cfg.eval_ptq else None}
+        scores = {k: None if v is None else round(task.score(v), 6) for k, v in results.items()}
+        # a peer calibrates on the same images: batch by batch, rank by rank
+        seen = [Path(f).name for batch in zip(*world.all_gather(seen)) for share in batch for f in share]
+        record = {"chosen": chosen, "candidates": scores, "images": len(seen),
+                  "seconds": {"collect": round(stats.collect_s, 2), "ranges": stats.amax_s,
+                              "ranges_and_evaluations": round(time.perf_counter() - t1, 2)}}
+        if saved:
+            record["saved"] = {k: {"file": f, "metrics": results[k]} for k, f in saved.items()}
+        if stats.per_quantizer:  # what each quantizer took in the per-quantizer candidate
+            record["per_quantizer"] = {"images": len(stats.images), "methods": stats.per_quantizer,
+                                       "counts": dict(Counter(stats.per_quantizer.values()).most_common())}
+        return record, results, seen
+
+    def mix(self, model: nn.Module, origin: dict | None, ptq: dict | None) -> dict | None:
+        """Mixed precision (models/mixed_precision.py): the INT8 tensors kept in float, chosen on select by rank 0
+        and applied on every rank; report.json's `mixed_precision`. Returns the select metrics of the PTQ model
+        now delivered as the PTQ stage."""
+        cfg, inputs, world, task = self.cfg, self.inputs, self.inputs.world, self.inputs.task
+        candidates = float_candidates(model, cfg.imgsz)
+        record, mixed = None, None
+        if world.main:
+            ptq = ptq or self.folder.measure(model, "PTQ (all INT8)")
+            images = next(iter(inputs.select))[0].float().div(255).to(inputs.device)
+            record, mixed = choose_float_set(model, candidates, MixedPrecision(cfg.max_loss), task.score(origin),
+                                             task.score(ptq), lambda desc: self.folder.measure(model, desc),
+                                             lambda cs: measure_each_in_float(model, cs, inputs, cfg.nms), task.score,
+                                             LayerOutputs(model, images))
+        record = world.broadcast(record)
+        kept = {c["name"] for c in record["kept_float"]}
+        keep_float(model, [c for c in candidates if c.name in kept])
+        if kept:  # measured while choosing (rank 0; the others hold None, as from measure)
+            ptq = mixed
+        if world.main:
+            record.update(deployment_summary(model, cfg.imgsz))
+        self.report["mixed_precision"] = record
+        if world.main:
+            LOGGER.info(f"{PREFIX}mixed precision: {len(record['float_convs'])} conv(s) kept in float, "
+                        f"{record['int8_mac_share']:.1%} of conv MACs in INT8, {record['boundaries']} INT8/float "
+                        f"boundaries; select {task.score(ptq):.4f} (all INT8 {record['all_int8_select']:.4f}, float "
+                        f"{record['origin_select']:.4f}, budget {cfg.max_loss})"
+                        + ("" if record["reached"] else ": NO set of the measured candidates reached the budget; "
+                                                         "the best one found is kept"))
+        return ptq
+
+
+class FineTuneStage:
+    """QAT (or a float control) epochs from the PTQ model: each evaluated on select, saved, offered for delivery,
+    with the state --resume continues from."""
+
+    def __init__(self, folder: RunFolder, ptq: PTQStage):
+        self.folder, self.cfg, self.inputs, self.report = folder, folder.cfg, folder.inputs, folder.report
+        self.ptq = ptq  # recalibrates after the float epochs
+
+    def run(self, model: nn.Module, teacher: nn.Module) -> None:
+        """QAT (or the float control) epochs; after each: evaluation, checkpoints, report.json and the state that
+        `--resume` continues from."""
+        cfg, inputs, report = self.cfg, self.inputs, self.report
+        state_file = self.folder.weights_dir / STATE_FILE
+        state = read_checkpoint(state_file, flag="--resume") if state_file.is_file() else None
+        if state is not None:
+            model = state["model"].to(inputs.device)
+        world = inputs.world
+        start = 0 if state is None else state["epoch"]
+        # the float epochs train with every quantizer off; the saved state past them has them on, recalibrated
+        for q in controlled_quantizers(model, cfg.control or ("all" if start < cfg.float_epochs else "")):
+            q.disable()
+        if cfg.qat.learn_amax:
+            learnable_amax_parameters(model)
+        loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=True, world=world)
+        iters = cfg.iters or math.ceil(len(loader.dataset) / cfg.batch_size)  # 0: one pass over the images
+        plan = plan_step(cfg.step, inputs.device, inputs.task.has_masks, cfg.qat.learn_amax,
+                         iterations=(cfg.epochs - start) * iters, held_scales=holds_scales(model))
+        if world.main:
+            LOGGER.info(f"{PREFIX}fine-tuning step: {plan.reason}")
+        to_layout(model, plan)
+        to_layout(teacher, plan)
+        same_on_every_rank(world, "quantizers turned off",
+                           sorted(n for n, q in named_quantizers(model) if not is_enabled(q)))
+        forward = compiled(data_parallel(model, world, inputs.device), plan)
+        with QATObjective(cfg.qat, model, teacher, inputs.hyp_dict, forward, compiled(teacher, plan)) as objective:
+            tuner = FineTuner(objective, cfg.epochs, iters, amp=inputs.device.type == "cuda", plan=plan)
+            report["step"] = {"plan": plan.reason}
+            if state is not None:
+                tuner.load_state(state, inputs.device)
+            # epochs past the saved state are run again (seeded: the same); their entries would be duplicates
+            report["qat"] = report.get("qat", [])[:start]
+            report["qat_best"] = max((e for e in report["qat"] if e.get("stage") != "float"), key=inputs.task.score,
+                                     default=None)
+            if report.get("recalibrated", {}).get("epoch", 0) > start:
+                report.pop("recalibrated")
+            self.folder.rewind_final(start)
+            for epoch in range(start, cfg.epochs):
+                t0 = time.perf_counter()
+                batches = seeded_batches(loader, inputs.device, iters, seed=cfg.seed + 1 + epoch)
+                stage = self.stage_of(epoch + 1)
+                desc = f"{PREFIX}{stage} epoch {epoch + 1}/{cfg.epochs}" if world.main else ""  # one progress bar
+                losses = tuner.epoch(batches, desc)
+                if tuner.first_step_s is not None and "first_step_s" not in report["step"] and world.main:
+                    report["step"]["first_step_s"] = round(tuner.first_step_s, 1)
+                    LOGGER.info(f"{PREFIX}the compiled step's first iteration (tracing and compiling) took "
+                                f"{tuner.first_step_s:.1f} s")
+                if world.main:
+                    self.end_epoch(epoch + 1, tuner, losses, time.perf_counter() - t0)
+                if epoch + 1 == cfg.float_epochs:
+                    self.recalibrate(model, epoch + 1)
+                if world.main:
+                    save_checkpoint(model, state_file, epoch=epoch + 1, **tuner.state())
+                world.barrier()
+
+    def stage_of(self, epoch: int) -> str:
+        """What fine-tuning epoch `epoch` (from 1) is: a float control's, a float epoch before QAT, or QAT."""
+        return "control" if self.cfg.control else "float" if epoch <= self.cfg.float_epochs else "qat"
+
+    def recalibrate(self, model: nn.Module, epoch: int) -> None:
+        """After the float epochs: every quantizer on again, ranges calibrated anew for the fine-tuned weights (the
+        run's method, the same images), the result offered like the first PTQ model. QAT continues from it."""
+        for q in controlled_quantizers(model, "all"):
+            q.enable()
+        record, results, _ = self.ptq.calibrate_ranges(model, self.cfg.quant, f"PTQ after epoch {epoch}")
+        metrics = results[record["chosen"]]
+        if not self.inputs.world.main:
+            return
+        LOGGER.info(f"{PREFIX}recalibrated after {epoch} float epoch(s): "
+                    f"{_scores_line(record['candidates'], record['chosen'])}")
+        folder = self.folder
+        f = folder.save(model, folder.weights_dir / f"ptq_ep_{epoch}_ap_{_ap_tag(metrics)}_{folder.stem}.pt",
+                      stage="ptq", epoch=epoch, metrics=metrics)
+        self.report["recalibrated"] = {"epoch": epoch, **record, "metrics": metrics, "file": str(f)}
+        if metrics is not None:
+            self.folder.offer("ptq", epoch, f, metrics)
+        self.folder.save_report()
+
+    def end_epoch(self, epoch: int, tuner: FineTuner, losses: dict, train_s: float) -> None:
+        report, trained, stage = self.report, tuner.trained, self.stage_of(epoch)
+        metrics = self.folder.measure(trained, f"epoch {epoch}")
+        kind = "float" if stage == "float" else "qat"
+        f = self.folder.weights_dir / f"{kind}_ep_{epoch}_ap_{_ap_tag(metrics)}_{self.folder.stem}.pt"
+        save_checkpoint(trained, f, stage=stage, epoch=epoch, metrics=metrics)
+        entry = {"epoch": epoch, "stage": stage, **{k: round(v, 6) for k, v in losses.items()},
+                 "lr_end": tuner.optimizer.param_groups[0]["lr"], "train_s": round(train_s, 2), **metrics,
+                 "file": str(f)}
+        report["qat"].append(entry)
+        if stage == "float":  # a float model: measured, never delivered
+            self.folder.save_report()
+            return
+        best = report.get("qat_best")
+        if best is None or self.inputs.task.score(metrics) > self.inputs.task.score(best):
+            report["qat_best"] = entry
+            best_file = self.folder.weights_dir / f"qat_best_{self.folder.stem}.pt"
+            report["qat_best_file"] = str(copy_checkpoint(f, best_file))
+        self.folder.offer(stage, epoch, f, metrics)
+        # report first: a kill between the two repeats this epoch (the same, it is seeded) rather than lose it
+        self.folder.save_report()
+
+
+def run_stages(folder: RunFolder) -> dict:
+    """PTQ (or the PTQ model of a resumed run), then fine-tuning where the configuration asks for it; the report."""
+    ptq = PTQStage(folder)
+    try:
+        teacher = copy_float(folder.inputs.model)
+        ptq_file = folder.report.get("ptq_file")
+        if ptq_file and Path(ptq_file).is_file():  # resumed after PTQ
+            model = load_quantized_model(ptq_file, folder.inputs.device)
+        else:
+            model = ptq.run()
+        if folder.cfg.finetunes:
+            FineTuneStage(folder, ptq).run(model, teacher)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; resume with: python qat.py quantize --resume {folder.save_dir}") from None
+    return folder.finish()
+
+
 def quantize(cfg: RunConfig, out: OutputDir, skip_values: list[str] = ()) -> dict:
     """`qat.py quantize`: a new run."""
     inputs = load_inputs(cfg, skip_values)
@@ -579,7 +605,7 @@ def quantize(cfg: RunConfig, out: OutputDir, skip_values: list[str] = ()) -> dic
     report = {"config": cfg.to_dict(), "task": inputs.task.name, "world_size": inputs.world.size,
               "save_dir": str(save_dir)}
     with shutdown_after(inputs.world):
-        return QuantizeRun(cfg, save_dir, report, inputs).run()
+        return run_stages(RunFolder(cfg, save_dir, report, inputs))
 
 
 def resume(save_dir: str | Path, **keep) -> dict:
@@ -605,7 +631,7 @@ def resume(save_dir: str | Path, **keep) -> dict:
             leftover.unlink()
     LOGGER.info(f"{PREFIX}resuming {save_dir} after {len(report.get('qat', []))} completed epoch(s)")
     with shutdown_after(inputs.world):
-        return QuantizeRun(cfg, save_dir, report, inputs).run()
+        return run_stages(RunFolder(cfg, save_dir, report, inputs))
 
 
 # --------------------------------------------------------------------------------------------------

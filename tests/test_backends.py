@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CHECKOUT, IMGSZ, REDUCED_SIZE, TRAINED_T, call_cli, one_box, run_cli
+from conftest import CHECKOUT, IMGSZ, REDUCED_SIZE, TRAINED_T, one_box, run_cli
 
 pytest.importorskip("modelopt.torch.quantization",
                     reason="nvidia-modelopt is not installed (./install_dependencies.sh --modelopt, as CI does)")
@@ -28,7 +28,8 @@ pytest.importorskip("modelopt.torch.quantization",
 from models.finetuning.fast_step import plan_step  # noqa: E402
 from models.quantization.backends import get_backend  # noqa: E402
 from models.quantization.checkpoint import load_float_model, save_checkpoint  # noqa: E402
-from models.quantization.quantize import QuantRecipe, calibrate, named_quantizers, quantize_model, quantizer_counts  # noqa: E402
+from models.quantization.quantize import (QuantRecipe, calibrate, named_quantizers, quantize_model,  # noqa: E402
+                                          quantizer_counts)
 from utils.batches import load_data  # noqa: E402
 
 SIZE = 320  # the trained demo model's size
@@ -167,8 +168,8 @@ def test_qat_losses_within_noise_and_eval_reads_the_backend(demo_data320, tmp_pa
     same seed (same calibration images, batches and augmentation) and on another seed (what noise is here): the
     backends' epoch losses are closer than the two seeds'. `qat.py eval` of its delivered model says which backend
     it holds and reproduces the run's figure."""
-    runs = {(b, s): _quantize(demo_data320, tmp_path, f"{b}-{s}", b, s) for b, s in (("modelopt", 57), ("pytorch-quantization", 57),
-                                                                      ("pytorch-quantization", 58))}
+    arms = (("modelopt", 57), ("pytorch-quantization", 57), ("pytorch-quantization", 58))
+    runs = {(b, s): _quantize(demo_data320, tmp_path, f"{b}-{s}", b, s) for b, s in arms}
     loss = {k: r["qat"][0]["loss"] for k, r in runs.items()}
     print(loss)
     noise = abs(loss["pytorch-quantization", 58] - loss["pytorch-quantization", 57])

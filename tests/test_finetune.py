@@ -302,7 +302,7 @@ def test_an_epoch_reads_back_its_ranges_once_and_its_losses_once(ptq_pair):
     ours = [r for r in traced.reads if r[0] != "torch.optim" and r[0] not in UPSTREAM_LOSS]
     ranges = len({id(q) for _, q in named_quantizers(model)})  # shared quantizers once
     opening, ending = ours[:-len(losses)], ours[-len(losses):]
-    assert {r[0] for r in opening} == {"models/quantization/quantize.py"}, opening
+    assert {r[0] for r in opening} == {"models/quantization/fake_quant.py"}, opening
     assert all("amax" in r[1] for r in opening), opening
     # each range read once (its tensor and its numpy view may both count), not once per step (the epoch has two)
     assert ranges <= len(opening) <= 2 * ranges, (len(opening), ranges)

@@ -376,6 +376,22 @@ def demo_table(out: Path) -> str:
             f"that); on another CPU a few INT8 roundings flip and these figures move a little.)")
 
 
+def backends_table(out: Path) -> str:
+    """The two quantization backends side by side (scripts/benchmark_backends.py), one table per recorded model."""
+    parts = []
+    for f in sorted((out / "backends").glob("*.json")):
+        b = json.loads(f.read_text())
+        r, m = b["ranges"], b["machine"]
+        parts.append(f"{b['table']}\n\n(`{Path(b['weights']).name}` at {b['imgsz']} px, {b['val_images']} val images of "
+                     f"`{b['data']}`; both calibrated on the same {b['calibration_images']} training images; "
+                     f"{m['cpu']}, {m['cpu_count']} cores, commit {_commit(b['commit'])}. Same quantizers: "
+                     f"{b['backends']['modelopt']['quantizers']['distinct']} of each; weight ranges equal bit for bit "
+                     f"for {r['weights_equal']} of {r['weights']}; activation ranges, `max`: median relative "
+                     f"difference {r['max']['median_rel']:.1e}, largest {r['max']['largest_rel']:.1e}; `mse`: the "
+                     f"same for {r['mse']['same']} of {r['mse']['of']}, largest {r['mse']['largest_rel']:.1e}.)")
+    return "\n\n".join(parts) if parts else "No backend comparison recorded yet."
+
+
 def ablation_table(out: Path) -> str:
     """Recipe variants on the select split (scripts/benchmark_accuracy.py --ablation): each dataset's latest
     (ablation.json) first, then earlier ones kept under another name (ablation-COMMIT.json)."""
@@ -603,7 +619,8 @@ def rendered(out: Path, docs: bool) -> dict[Path, dict[str, str]]:
                                                "ptq-ranges": ptq_ranges_table(out),
                                                **{name: experiment_table(out, x) for name, x in EXPERIMENTS.items()}}
         files[REPO / "README.md"] = {"headline": headline_table(out), "recovery": recovery_table(out),
-                                     "timing": timing_table(out), "demo": demo_table(out)}
+                                     "timing": timing_table(out), "demo": demo_table(out),
+                                     "backends": backends_table(out)}
     return files
 
 

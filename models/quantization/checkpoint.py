@@ -3,8 +3,9 @@
 A YOLO checkpoint is a pickled model, and unpickling can run arbitrary code. Files are therefore read with
 `torch.load(weights_only=True)` and an allow-list of the classes such a checkpoint legitimately holds: the
 torch.nn modules, upstream YOLOv9's modules, this overlay's quantized modules and the quantization backends'
-modules and calibrators (Model Optimizer's only where the file names them: importing it takes seconds). The list is derived from those packages (every nn.Module subclass they define),
-never a function, so a crafted file cannot call anything. `trust=True` (`--trust-checkpoint`) falls back
+modules and calibrators (Model Optimizer's only where the file names them: importing it takes seconds). The list
+is derived from those packages (every nn.Module subclass they define), never a function, so a crafted file cannot
+call anything. `trust=True` (`--trust-checkpoint`) falls back
 to full unpickling for files from a source the user trusts, with a warning.
 
 Upstream stores methods on modules (`m.forward = m.forward_fuse` when fusing, `self.detect = DDetect.forward`
@@ -49,7 +50,7 @@ def backends_named(globals_in_file: set[str]) -> tuple[str, ...]:
     """The backends whose classes a checkpoint's pickle names (the default's always: the allow-list has held it
     since before there were backends)."""
     return tuple(name for name, (module, _, library) in BACKENDS.items()
-                 if name == DEFAULT_BACKEND or any(g.startswith((module + ".", library + ".")) for g in globals_in_file))
+                 if name == DEFAULT_BACKEND or any(g.startswith((f"{module}.", f"{library}.")) for g in globals_in_file))
 
 
 def _numpy_values() -> list:
@@ -139,7 +140,7 @@ def read_checkpoint(weights: str | Path, trust: bool = False, flag: str = "--wei
     try:
         allowed = allowed_classes(backends_named(referenced or set()))
     except ValueError as e:
-        raise ValueError(f"{flag} {weights}: quantized with a backend whose library does not import here: {e}") from None
+        raise ValueError(f"{flag} {weights}: quantized with a library that does not import here: {e}") from None
     try:
         with torch.serialization.safe_globals(_allowed_globals_in(allowed, referenced)):
             ckpt = torch.load(path, map_location="cpu", weights_only=True)

@@ -8,8 +8,8 @@ did: every QAT epoch was judged on the weights of the first evaluation).
 
 - `held(*models)`: each calibrated quantizer's fake-quantization parameters (a host float per tensor, or
   per-channel tensors) computed from its amax at entry, where its backend reads them (pytorch-quantization's; Model
-  Optimizer's op computes its scale at every call: models/quantization/backends/). A training step reads them instead of reading amax back to
-  the host (a GPU sync per quantizer and step), and a compiled forward reads them as constants: it traces again when
+  Optimizer's op computes its scale at every call: models/quantization/backends/). A training step reads them
+  instead of reading amax back to the host (a GPU sync per quantizer and step), and a compiled forward reads them as constants: it traces again when
   a later block holds other values (its guards compare them). Opened by each fine-tuning epoch (models/finetuning/finetune.py),
   each evaluation and each ONNX export of a quantized model (models/deployment/export.py, the scale-sharing rules' and mixed
   precision's in-memory traces): the trace then records each scale as a constant instead of the ops that compute

@@ -58,6 +58,5 @@ BACKEND = Backend(
     weight_quantizer=lambda num_bits: ModelOptimizerQuantizer(num_bits, per_channel=True),
     quantized_conv=lambda conv: convert_instance(conv, QuantConv2d),
     quantized_maxpool=lambda pool: convert_instance(pool, QuantMaxPool2d),
-    checkpoint_modules=(__name__, "modelopt.torch.quantization.nn.modules.tensor_quantizer"),
-    calibrator_modules=("modelopt.torch.quantization.calib.max",),
+    checkpoint_modules=(__name__,),  # a checkpoint names the subclasses above, never Model Optimizer's own modules
 )
