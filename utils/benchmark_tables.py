@@ -389,7 +389,33 @@ def backends_table(out: Path) -> str:
                      f"for {r['weights_equal']} of {r['weights']}; activation ranges, `max`: median relative "
                      f"difference {r['max']['median_rel']:.1e}, largest {r['max']['largest_rel']:.1e}; `mse`: the "
                      f"same for {r['mse']['same']} of {r['mse']['of']}, largest {r['mse']['largest_rel']:.1e}.)")
+    parts += [backends_qat_table(d) for d in sorted((out / "backends").iterdir()) if d.is_dir()]
     return "\n\n".join(parts) if parts else "No backend comparison recorded yet."
+
+
+def backends_qat_table(folder: Path) -> str:
+    """`qat.py quantize` with each backend, same flags and seeds: the runs' own report.json files, as BACKEND-SEED.json
+    in `folder` (named after model, data and machine)."""
+    runs: dict[str, list[dict]] = {}
+    for f in sorted(folder.glob("*.json")):
+        r = json.loads(f.read_text())
+        runs.setdefault(r["config"]["quant"]["backend"], []).append(r)
+    first = next(iter(runs.values()))[0]
+    cfg = first["config"]
+    lines = [f"**{folder.name}**: `qat.py quantize --calib-method {cfg['quant']['calib_method']} --epochs {cfg['epochs']} "
+             f"--iters {cfg['iters']} --batch-size {cfg['batch_size']} --imgsz {cfg['imgsz']}`, seeds "
+             f"{sorted({r['config']['seed'] for rs in runs.values() for r in rs})} (mean ± std over seeds; float model "
+             f"on val {first['val']['origin']['ap']:.4f})", "",
+             "| Backend | PTQ, select | last QAT epoch, select | delivered, val | last epoch's loss | s per epoch | "
+             "s to insert quantizers |", "|---|---|---|---|---|---|---|"]
+    for backend, rs in runs.items():
+        lines.append(f"| {backend} | {fmt(spread([r['ptq']['ap'] for r in rs]))} | "
+                     f"{fmt(spread([r['qat'][-1]['ap'] for r in rs]))} | "
+                     f"{fmt(spread([r['val']['final']['ap'] for r in rs]))} | "
+                     f"{fmt(spread([r['qat'][-1]['loss'] for r in rs]))} | "
+                     f"{fmt(spread([r['qat'][-1]['train_s'] for r in rs]), 1)} | "
+                     f"{fmt(spread([r['calibration']['seconds']['insert_quantizers'] for r in rs]), 1)} |")
+    return "\n".join(lines)
 
 
 def ablation_table(out: Path) -> str:
