@@ -225,3 +225,21 @@ def test_without_model_optimizer_the_backend_and_its_checkpoints_are_refused_in_
             r.stderr[-2000:]
         assert "Traceback" not in r.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_benchmark_backends_records_both_and_renders(demo_data, tmp_path):
+    """scripts/benchmark_backends.py on demo data: both backends measured on the same calibration images, their
+    ranges compared quantizer by quantizer, both graphs linted; the README block renders from what it wrote."""
+    from utils.benchmark_tables import backends_table
+    out = tmp_path / "backends" / "demo.json"
+    r = run_cli("scripts/benchmark_backends.py", "--weights", TRAINED_T, "--data", demo_data, "--imgsz", IMGSZ,
+                "--calib-images", 4, "--out", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["backends"]) == set(BACKENDS) and result["val_images"] == 12
+    assert result["ranges"]["weights_equal"] == result["ranges"]["weights"] > 100
+    assert result["ranges"]["max"]["largest_rel"] < 0.01
+    for b in result["backends"].values():
+        assert b["lint"]["unshared_joins"] == 0 and b["lint"]["unquantized_convs"] == 0
+    assert result["backends"]["modelopt"]["lint"] == result["backends"]["pytorch-quantization"]["lint"]
+    assert result["table"] in backends_table(tmp_path)
