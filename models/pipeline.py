@@ -52,7 +52,8 @@ from models.quantization.quantize import (QuantRecipe, backend_of, calibrate, co
 from utils.batches import load_data, load_hyp, seeded_batches, seeded_indices, seeded_rank_loader
 from utils.datasplit import SelectConfig, SelectSplit, split_for
 from utils.general import LOGGER, colorstr
-from utils.io_utils import Interrupted, OutputDir, atomic_write, write_json
+from utils.interrupts import Interrupted, StopBetweenSteps
+from utils.io_utils import OutputDir, atomic_write, write_json
 from utils.torch_utils import select_device
 
 PREFIX = colorstr("qat: ")
@@ -72,7 +73,7 @@ class RunConfig:
     batch_size: int = 10
     workers: int = 8
     cache: str | None = None          # upstream's --cache: training images decoded once, kept in "ram" or on "disk"
-    step: str = "auto"                # the fine-tuning step: compiled where it can be (finetuning/fast_step.py), or eager
+    step: str = "auto"                # fine-tuning step: compiled where it can be (finetuning/fast_step.py) or eager
     num_image: int | None = None      # evaluate on the first N validation images only
     seed: int = 57                    # calibration sample, data order and augmentation of every epoch
     quant: QuantRecipe = field(default_factory=QuantRecipe)
@@ -235,9 +236,12 @@ def controlled_quantizers(model: nn.Module, part: str) -> list[nn.Module]:
     return [q for _, q in named_quantizers(model) if part == "all" or (q.axis is not None) == (part == "weights")]
 
 
-def measure(model: nn.Module, inputs: Inputs, cfg_nms: NMSConfig, desc: str, split: str = "val") -> dict:
-    """The task's metrics of an in-memory model on the val or the select images (models/deployment/evaluate.py)."""
+def measure(model: nn.Module, inputs: Inputs, cfg_nms: NMSConfig, desc: str, split: str = "val",
+            stop: StopBetweenSteps | None = None) -> dict:
+    """The task's metrics of an in-memory model on the val or the select images (models/deployment/evaluate.py);
+    with `stop`, a Ctrl-C stops it between batches."""
     loader = inputs.select if split == "select" else inputs.val
+    loader = loader if stop is None else stop.between(loader)
     m = evaluate(TorchRunner(model), loader, inputs.task, int(inputs.data_dict["nc"]), cfg_nms, f"{desc} ({split})")
     return inputs.task.metrics(m)
 
@@ -255,12 +259,14 @@ def measure_each_in_float(model: nn.Module, candidates: list[Candidate], inputs:
 # --------------------------------------------------------------------------------------------------
 class RunFolder:
     """One run folder: report.json written after every stage, checkpoints, the delivered model (offered each
-    stage's result, kept where it beats the current one on select) and the state --resume reads."""
+    stage's result, kept where it beats the current one on select) and the state --resume reads. `stop`: where a
+    Ctrl-C is acted on (between batches, steps and evaluations; utils/interrupts.py)."""
 
     def __init__(self, cfg: RunConfig, save_dir: Path, report: dict, inputs: Inputs):
         self.cfg, self.save_dir, self.report, self.inputs = cfg, save_dir, report, inputs
         self.stem = Path(cfg.weights).stem
         self.weights_dir = save_dir / "weights"
+        self.stop = StopBetweenSteps()
         open_select_split(inputs, cfg, save_dir / "split")
         if inputs.world.main:
             split = inputs.split.info()
@@ -274,7 +280,9 @@ class RunFolder:
 
     def measure(self, model: nn.Module, desc: str, split: str = "select") -> dict | None:
         """Rank 0 evaluates (the loop of one process: the same numbers); the others get None."""
-        return measure(model, self.inputs, self.cfg.nms, desc, split) if self.inputs.world.main else None
+        if not self.inputs.world.main:
+            return None
+        return measure(model, self.inputs, self.cfg.nms, desc, split, self.stop)
 
     def measure_val(self, model: Callable[[], nn.Module], desc: str, on_select: dict | None) -> dict | None:
         """The model `model()` gives, on the val images; with --no-select those are the select images, already
@@ -408,7 +416,7 @@ class PTQStage:
         n = min(recipe.calib_batches, len(loader))  # global batches: each rank loads its share of each
         seen: list[list[str]] = []
         images = _images_noting_files(seeded_batches(loader, inputs.device, n, cfg.seed), seen)
-        progress = tqdm(images, total=n, desc=f"{PREFIX}calibrating", disable=not world.main)
+        progress = tqdm(self.folder.stop.between(images), total=n, desc=f"{PREFIX}calibrating", disable=not world.main)
         stats = collect_statistics(model, recipe, progress, world)
         t1 = time.perf_counter()
         names, task = list(stats.candidates), inputs.task
@@ -520,6 +528,7 @@ class FineTuneStage:
             for epoch in range(start, cfg.epochs):
                 t0 = time.perf_counter()
                 batches = seeded_batches(loader, inputs.device, iters, seed=cfg.seed + 1 + epoch)
+                batches = self.folder.stop.between(batches)
                 stage = self.stage_of(epoch + 1)
                 desc = f"{PREFIX}{stage} epoch {epoch + 1}/{cfg.epochs}" if world.main else ""  # one progress bar
                 losses = tuner.epoch(batches, desc)
@@ -585,14 +594,15 @@ def run_stages(folder: RunFolder) -> dict:
     """PTQ (or the PTQ model of a resumed run), then fine-tuning where the configuration asks for it; the report."""
     ptq = PTQStage(folder)
     try:
-        teacher = copy_float(folder.inputs.model)
-        ptq_file = folder.report.get("ptq_file")
-        if ptq_file and Path(ptq_file).is_file():  # resumed after PTQ
-            model = load_quantized_model(ptq_file, folder.inputs.device)
-        else:
-            model = ptq.run()
-        if folder.cfg.finetunes:
-            FineTuneStage(folder, ptq).run(model, teacher)
+        with folder.stop:
+            teacher = copy_float(folder.inputs.model)
+            ptq_file = folder.report.get("ptq_file")
+            if ptq_file and Path(ptq_file).is_file():  # resumed after PTQ
+                model = load_quantized_model(ptq_file, folder.inputs.device)
+            else:
+                model = ptq.run()
+            if folder.cfg.finetunes:
+                FineTuneStage(folder, ptq).run(model, teacher)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted; resume with: python qat.py quantize --resume {folder.save_dir}") from None
     return folder.finish()

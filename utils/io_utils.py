@@ -8,9 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-
-class Interrupted(Exception):
-    """Ctrl-C during a run, with what to do next (how to resume)."""
+from utils.interrupts import Interrupted
 
 
 def _umask() -> int:
