@@ -226,6 +226,34 @@ def test_two_process_calibration_equals_one_process(gelan_t_weights, demo_data, 
     assert all(torch.equal(one["max"][n], two["max"][n]) for n in names if n not in acts)  # weights: per channel
 
 
+def test_two_process_run_with_modelopt_calibrates_as_one_process(demo_data, tmp_path):
+    """`--backend modelopt` under torchrun: Model Optimizer's quantizers collect into this project's histograms,
+    combined across ranks as the default backend's are. `max` ranges from 2 ranks (2 images each) equal one process's
+    (batches of 4) up to the last bits a batch-size-dependent convolution kernel changes (relative 1e-5: a float32
+    ulp is 6e-8); weights bit for bit; a QAT epoch under DDP; the delivered model holds Model Optimizer's quantizers."""
+    from conftest import TRAINED_T
+    common = ["quantize", "--backend", "modelopt", "--weights", TRAINED_T, "--data", demo_data, *COMMON,
+              "--batch-size", 4, "--calib-batches", 2, "--calib-method", "max", "--epochs", 1, "--iters", 2,
+              "--no-eval-origin", "--project", tmp_path]
+    r = _torchrun(*common, "--name", "two")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _qat(*common, "--name", "one")
+    assert r.returncode == 0, r.stderr[-3000:]
+    reports = {k: json.loads((tmp_path / k / "report.json").read_text()) for k in ("one", "two")}
+    assert reports["two"]["world_size"] == 2 and reports["two"]["config"]["quant"]["backend"] == "modelopt"
+    assert reports["two"]["calibration_images"] == reports["one"]["calibration_images"]
+    assert [e["epoch"] for e in reports["two"]["qat"]] == [1]
+    one, two = (_amax(reports[k]["ptq_file"]) for k in ("one", "two"))
+    assert one.keys() == two.keys() and len(one) > 100
+    acts = [n for n in one if one[n].numel() == 1]
+    rel = max(float(((two[n] - one[n]) / one[n]).abs()) for n in acts)
+    print(f"max ranges, 2 processes vs 1: largest relative difference {rel:.1e} over {len(acts)} activations")
+    assert rel <= 1e-5
+    assert all(torch.equal(two[n], one[n]) for n in one if n not in acts)
+    delivered = load_quantized_model(reports["two"]["final"]["file"])
+    assert {q.backend_name for _, q in named_quantizers(delivered)} == {"modelopt"}
+
+
 def _search(rank: int, out: str) -> None:
     """`per-quantizer` calibration of gelan-t (its first layers: a search costs a pass per quantizer and candidate)
     on 2 gloo ranks, each its own share of two global batches, rank 1's model other than rank 0's (its own search
