@@ -352,8 +352,10 @@ class RunFolder:
         report["table"] = metrics_table([r for r in rows if r[1] is not None])
         LOGGER.info("\n" + report["table"])
         report["finished"] = True
-        (self.weights_dir / STATE_FILE).unlink(missing_ok=True)  # only needed to resume an unfinished run
         self.save_report()
+        # only needed to resume an unfinished run; removed after the report says finished, so a run stopped between
+        # the two still resumes from its last epoch
+        (self.weights_dir / STATE_FILE).unlink(missing_ok=True)
         LOGGER.info(f"{PREFIX}results saved to {colorstr('bold', self.save_dir)}")
         return report
 
@@ -603,9 +605,9 @@ def run_stages(folder: RunFolder) -> dict:
                 model = ptq.run()
             if folder.cfg.finetunes:
                 FineTuneStage(folder, ptq).run(model, teacher)
+        return folder.finish()  # a Ctrl-C here (at once: outside the block) leaves the report unfinished: resumable
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted; resume with: python qat.py quantize --resume {folder.save_dir}") from None
-    return folder.finish()
 
 
 def quantize(cfg: RunConfig, out: OutputDir, skip_values: list[str] = ()) -> dict:
