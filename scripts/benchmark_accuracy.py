@@ -34,14 +34,14 @@ sys.path.insert(0, str(Path.cwd()))
 
 from utils.benchmark_steps import (Bench, calibration_array, export, images_per_second, lint_summary,  # noqa: E402
                                    measure, mixed_summary, public, quantize_run, recipe_tag, run_step, sample_id,
-                                   step_devices, yaml_split)
+                                   scored, select_curves, step_devices, yaml_split)
 # calibration, not quantization.quantize: that imports upstream's models.common
 from models.quantization.calibration import AUTO_CANDIDATES, calib_method_flags  # noqa: E402
 from utils.benchmark_tables import model_table, render, summarize  # noqa: E402
 from utils.datasplit import write_split  # noqa: E402
 from utils.io_utils import atomic_write, write_json  # noqa: E402
 from utils.provenance import command_line, machine, overlay_repo, sha256, toolkit_commit  # noqa: E402
-from utils.results import difference, spread  # noqa: E402
+from utils.results import difference, selection_score, spread  # noqa: E402
 
 CALIBRATIONS = tuple(AUTO_CANDIDATES)  # each candidate of the default command's `auto`, measured on val too
 # QAT recipe variants, each spelled out in full (the default is QATRecipe()'s): judged on select, over seeds
@@ -169,7 +169,7 @@ class ModelBench:
                                                           **({"per_quantizer": per_quantizer["counts"]}
                                                              if per_quantizer else {})},
                     "train_img_s": images_per_second(epochs, r["config"]["batch_size"], b.iters),
-                    "best_epoch": best["epoch"], "select_by_epoch": [e["ap"] for e in epochs], "val_best": val_best,
+                    "best_epoch": best["epoch"], **select_curves(epochs), "val_best": val_best,
                     "val_last": val_last, "final": {"stage": final["stage"], "epoch": final["epoch"]},
                     "val_final": ptq_val if final["stage"] == "ptq" else val_best, "final_file": final["file"],
                     **({"mixed_precision": mixed_summary(r["mixed_precision"])} if "mixed_precision" in r else {})}
@@ -187,8 +187,8 @@ class ModelBench:
                               len(b.seeds) + b.seeds.index(s))
             best, last = r["qat_best"], r["qat"][-1]
             val_best = measure(Path(r["qat_best_file"]), self.report_yaml, d / "val-best", b)
-            return {"recipe": r["config"]["qat"], "best_epoch": best["epoch"],
-                    "select_by_epoch": [e["ap"] for e in r["qat"]], "val_best": val_best,
+            return {"recipe": r["config"]["qat"], "best_epoch": best["epoch"], **select_curves(r["qat"]),
+                    "val_best": val_best,
                     "val_last": val_best if best["epoch"] == last["epoch"] else
                     measure(Path(last["file"]), self.report_yaml, d / "val-last", b)}
         with self.pool() as pool:
@@ -273,8 +273,8 @@ class ModelBench:
         rows = entry.setdefault("modelopt", {})
         for m, runs in self.modelopt(samples).items():
             rows[m] = dict(sorted({**rows.get(m, {}), **runs}.items(), key=lambda kv: int(kv[0])))
-        entry["modelopt_choice"] = max(rows, key=lambda m: spread([r["select"]["ap"] for r in rows[m].values()])
-                                       ["mean"])
+        entry["modelopt_choice"] = max(rows, key=lambda m: spread([selection_score(r["select"])
+                                                                   for r in rows[m].values()])["mean"])
         first = next(iter(rows[entry["modelopt_choice"]]))
         same_seed_first = lambda runs: sorted(runs.items(), key=lambda kv: kv[0] != first)  # noqa: E731
         linted = [({"graph": "delivered", "seed": int(s)}, r["lint"])
@@ -363,16 +363,16 @@ class ModelBench:
             # the seed's one calibration sample (every method's row records it) and what auto's model measured
             ptq, auto = entry["ptq"], entry.get("qat", {}).get(str(s), {}).get("auto")
             want = {"calibration_sample": next(iter(ptq.values()))[str(s)]["calibration_sample"],
-                    "select": {"ap": auto["candidates"][method]} if auto else ptq[method][str(s)]["select"],
+                    "select": auto["candidates"][method] if auto else selection_score(ptq[method][str(s)]["select"]),
                     "val": auto["val"] if auto else ptq[method][str(s)]["val"]}
             if sample_id(r["calibration_images"]) != want["calibration_sample"]:
                 raise RuntimeError(f"--add-ranges: seed {s}: the run calibrated on other images than the entry's "
                                    f"({sample_id(r['calibration_images'])}, the entry {want['calibration_sample']})")
             val = measure(Path(r["ptq_file"]), self.report_yaml, self.work / folder / "val", b)
-            select = {k: r["ptq"][k] for k in ("ap", "ap50", "precision", "recall")}
+            select = scored(r["ptq"])
             kept[str(s)] = {**self.keep_ranges(s, r, entry["provenance"]["weights_sha256"]), "select": select,
                             "val": val,
-                            "vs_entry": {"select": round(select["ap"] - want["select"]["ap"], 5),
+                            "vs_entry": {"select": round(selection_score(select) - want["select"], 5),
                                          "val": round(val["ap"] - want["val"]["ap"], 5)},
                             "ran_on": step_devices(self.work / folder), "commit": toolkit_commit()}
         entry["summary"] = summarize(entry)
@@ -461,7 +461,7 @@ class ModelBench:
             qat = self.qat_rows(reports) if finetune else None
             deployed = phases.submit(self.deployed, qat) if qat and "ort" not in skip else None
             ptq = ptq.result()
-            choice = max(ptq, key=lambda m: spread([r["select"]["ap"] for r in ptq[m].values()])["mean"])
+            choice = max(ptq, key=lambda m: spread([selection_score(r["select"]) for r in ptq[m].values()])["mean"])
             entry = {"model": self.name, "dataset": b.dataset, "imgsz": b.imgsz, "provenance": self.provenance(),
                      "settings": self.settings(), "fp": fp.result(),
                      "ptq": {m: {s: public(r) for s, r in runs.items()} for m, runs in ptq.items()},

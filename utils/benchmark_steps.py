@@ -134,8 +134,21 @@ def measure(model: Path, data: Path, out: Path, bench: Bench) -> dict:
         run_step([sys.executable, "val_trt.py", *source, "--data", str(data), "--imgsz", str(bench.imgsz),
                   "--batch-size", "8", "--workers", str(bench.workers), "--project", str(out.parent), "--name",
                   out.name, "--exist-ok"], out.with_suffix(".log"), bench.env_for(device))
-    m = json.loads(result.read_text())
-    return {k: m[k] for k in ("ap", "ap50", "precision", "recall")}
+    return scored(json.loads(result.read_text()))
+
+
+METRICS = ("ap", "ap50", "precision", "recall")  # of the boxes; a segmenter's masks as mask_ap, ...
+
+
+def scored(metrics: dict) -> dict:
+    """The mAP, mAP50, precision and recall of the boxes, and of the masks where the model has them."""
+    return {k: metrics[k] for prefix in ("", "mask_") for k in (prefix + m for m in METRICS) if k in metrics}
+
+
+def select_curves(epochs: list[dict]) -> dict:
+    """A run's select mAP50-95 by epoch: of the boxes, and of the masks where the model has them."""
+    return {"select_by_epoch": [e["ap"] for e in epochs],
+            **({"select_mask_by_epoch": [e["mask_ap"] for e in epochs]} if epochs and "mask_ap" in epochs[0] else {})}
 
 
 def export(weights: Path, dtype: str, bench: Bench, end2end: bool = False) -> Path:

@@ -19,19 +19,20 @@ from typing import Callable
 
 from utils.io_utils import write_json
 from utils.provenance import overlay_repo
-from utils.results import difference, fmt, fmt_difference, render_files, spread
+from utils.results import difference, fmt, fmt_difference, render_files, selection_score, spread
 
 REPO = overlay_repo()
 PER_QUANTIZER = "per-quantizer"  # ranges chosen quantizer by quantizer (models/quantization/ranges.py)
 
 
-def summarize(e: dict) -> dict:
-    """Mean +- std over seeds of every stage that ran, on val, and the differences the claims rest on."""
-    over = lambda runs, key: spread([r[key]["ap"] for r in runs.values()])  # noqa: E731
+def summarize(e: dict, metric: str = "ap") -> dict:
+    """Mean +- std over seeds of every stage that ran, on val, and the differences the claims rest on, in `metric`
+    (box mAP50-95); a segmenter's entry also has the same for its masks under "mask"."""
+    over = lambda runs, key: spread([r[key][metric] for r in runs.values()])  # noqa: E731
     # where every seed calibrated on the same images (a fit split smaller than the sample), PTQ is one measurement
     one_sample = same_calibration_sample(e)
-    ptq_over = (lambda runs, key: spread([next(iter(runs.values()))[key]["ap"]])) if one_sample else over  # noqa: E731
-    s = {"fp": spread([e["fp"]["val"]["ap"]], fixed=True),
+    ptq_over = (lambda runs, key: spread([next(iter(runs.values()))[key][metric]])) if one_sample else over  # noqa: E731
+    s = {"fp": spread([e["fp"]["val"][metric]], fixed=True),
          "ptq": {m: ptq_over(runs, "val") for m, runs in e["ptq"].items()},
          "ptq_select": {m: ptq_over(runs, "select") for m, runs in e["ptq"].items()},
          "one_calibration_sample": one_sample}
@@ -59,21 +60,21 @@ def summarize(e: dict) -> dict:
         s["quantization_cost"] = difference(s["final"], s["fp_ft_best"])      # delivered - its float control
     if "ort" in e:  # against the same seeds' delivered checkpoint in PyTorch: that is the file exported
         s["ort"] = {d: over(runs, "val") for d, runs in e["ort"].items()}
-        s["ort_vs_pytorch"] = {d: difference(v, spread([e["qat"][seed]["val_final"]["ap"] for seed in e["ort"][d]]))
+        s["ort_vs_pytorch"] = {d: difference(v, spread([e["qat"][seed]["val_final"][metric] for seed in e["ort"][d]]))
                                for d, v in s["ort"].items()}
     if "ort_ptq" in e:  # PTQ rebuilt from kept ranges: against the same rebuilt model in PyTorch, seed by seed
         rows = e["ort_ptq"].values()
-        s["ort_ptq_pytorch"] = spread([r["pytorch"]["ap"] for r in rows])
-        s["ort_ptq"] = {g: spread([r[g]["val"]["ap"] for r in rows]) for g in ORT_GRAPHS}
-        s["ort_ptq_vs_pytorch_max"] = {g: round(max(abs(r[g]["val"]["ap"] - r["pytorch"]["ap"]) for r in rows), 5)
+        s["ort_ptq_pytorch"] = spread([r["pytorch"][metric] for r in rows])
+        s["ort_ptq"] = {g: spread([r[g]["val"][metric] for r in rows]) for g in ORT_GRAPHS}
+        s["ort_ptq_vs_pytorch_max"] = {g: round(max(abs(r[g]["val"][metric] - r["pytorch"][metric]) for r in rows), 5)
                                        for g in ORT_GRAPHS}
     if PER_QUANTIZER in e["ptq"] and len(e["ptq"]) > 1:
         s["global_auto_choices"] = global_auto_choices(e)
-        s["global_auto"] = spread([e["ptq"][m][seed]["val"]["ap"] for seed, m in s["global_auto_choices"].items()])
+        s["global_auto"] = spread([e["ptq"][m][seed]["val"][metric] for seed, m in s["global_auto_choices"].items()])
         s["per_quantizer_vs_global_auto"] = difference(s["ptq"][PER_QUANTIZER], s["global_auto"])
         s["per_quantizer_won"] = per_quantizer_wins(e, s["global_auto_choices"])
         s["auto_with_per_quantizer"] = spread([e["ptq"][PER_QUANTIZER if seed in s["per_quantizer_won"] else m][seed]
-                                               ["val"]["ap"] for seed, m in s["global_auto_choices"].items()])
+                                               ["val"][metric] for seed, m in s["global_auto_choices"].items()])
         s["auto_with_vs_without_per_quantizer"] = difference(s["auto_with_per_quantizer"], s["global_auto"])
     if "modelopt" in e:  # the peer may have run on some of the entry's seeds: ours on the same ones
         s["modelopt"] = {m: over(runs, "val") for m, runs in e["modelopt"].items()}
@@ -82,6 +83,8 @@ def summarize(e: dict) -> dict:
         s["ptq_vs_modelopt"] = difference(ptq_over(on_peer_seeds(e["ptq"][e["ptq_choice"]]), "val"), peer)
         if "qat" in e:
             s["qat_vs_modelopt"] = difference(over(on_peer_seeds(e["qat"]), "val_best"), peer)
+    if metric == "ap" and "mask_ap" in e["fp"]["val"]:
+        s["mask"] = summarize(e, "mask_ap")
     return s
 
 
@@ -103,7 +106,7 @@ def global_auto_choices(e: dict) -> dict[str, str]:
     """Per seed, what `auto` chooses among the methods that give every quantizer a range by one rule (every
     candidate but the per-quantizer one): the best on select."""
     methods = [m for m in e["ptq"] if m != PER_QUANTIZER]
-    return {seed: max(methods, key=lambda m: (e["ptq"][m][seed]["select"]["ap"], -methods.index(m)))
+    return {seed: max(methods, key=lambda m: (selection_score(e["ptq"][m][seed]["select"]), -methods.index(m)))
             for seed in e["ptq"][methods[0]]}
 
 
@@ -111,7 +114,8 @@ def per_quantizer_wins(e: dict, one_rule: dict[str, str]) -> list[str]:
     """The seeds where `auto` with the per-quantizer candidate among its candidates (last, so a tie keeps the
     one-rule method) would have chosen it: its select mAP above the best one-rule method's."""
     per_q = e["ptq"][PER_QUANTIZER]
-    return [seed for seed, m in one_rule.items() if per_q[seed]["select"]["ap"] > e["ptq"][m][seed]["select"]["ap"]]
+    return [seed for seed, m in one_rule.items()
+            if selection_score(per_q[seed]["select"]) > selection_score(e["ptq"][m][seed]["select"])]
 
 
 # --------------------------------------------------------------------------------------------------

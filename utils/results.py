@@ -23,6 +23,11 @@ def spread(values: list[float], fixed: bool = False) -> dict:
             else 0.0, "n": len(values), "values": [round(v, 5) for v in values], **({"fixed": True} if fixed else {})}
 
 
+def selection_score(metrics: dict) -> float:
+    """What picks among stages, candidates and epochs: box mAP50-95, plus mask mAP50-95 where masks were measured."""
+    return metrics["ap"] + metrics.get("mask_ap", 0.0)
+
+
 def difference(a: dict, b: dict) -> dict:
     """a - b of two spreads: the difference of the means, the larger std (the noise it is judged against) and the
     verdict; no verdict where a side that varies with the seed has fewer than two values."""

@@ -12,10 +12,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+from utils.results import selection_score
 
 BOX_METRICS = ("ap", "ap50", "precision", "recall")
 MASK_METRICS = ("mask_ap", "mask_ap50", "mask_precision", "mask_recall")
-MASK_DOWNSAMPLE = 4  # ground-truth masks at the prototypes' resolution, as upstream segment/train.py validates
+MASK_DOWNSAMPLE = 4  # training's ground-truth masks at the prototypes' resolution, as upstream segment/train.py
 PROTOTYPES = "output1"
 END_TO_END_MASKS = "det_masks"
 
@@ -30,15 +33,27 @@ class Task:
     def has_masks(self) -> bool:
         return self is SEGMENT
 
-    def dataloader(self, path, imgsz: int, batch_size: int, stride: int, **kwargs):
-        """Upstream's loader for the task: (loader, dataset). Segmentation batches also carry the instance masks,
-        overlapping instances in one mask per image at 1/4 resolution, as upstream trains and validates."""
+    def dataloader(self, path, imgsz: int, batch_size: int, stride: int, scoring: bool = False, **kwargs):
+        """Upstream's loader for the task: (loader, dataset). Segmentation batches also carry the instance masks:
+        for training (the loss), overlapping instances in one mask per image at 1/4 resolution, as upstream trains;
+        for `scoring`, every instance's full mask at the input's resolution, as upstream's segment/val.py scores
+        (with one mask per image, a smaller instance cuts its area out of a larger one it lies on: a damage on a
+        panel takes a median 26-35 % out of most panels of cardamage-seg's val labels)."""
         if self.has_masks:
             from utils.segment.dataloaders import create_dataloader
-            return create_dataloader(path, imgsz, batch_size, stride, overlap_mask=True,
-                                     mask_downsample_ratio=MASK_DOWNSAMPLE, **kwargs)
+            return create_dataloader(path, imgsz, batch_size, stride, overlap_mask=not scoring,
+                                     mask_downsample_ratio=1 if scoring else MASK_DOWNSAMPLE, **kwargs)
         from utils.dataloaders import create_dataloader
         return create_dataloader(path, imgsz, batch_size, stride, **kwargs)
+
+    def scored_masks(self, masks: torch.Tensor, imgsz: tuple[int, int]) -> torch.Tensor:
+        """A scoring batch's full instance masks as segment/val.py compares them with predicted ones: resized to the
+        prototypes' resolution (bilinear, > 0.5). segment/val.py resizes per image when it scores; done once per
+        batch here, the same pixels (each mask is resized on its own), so a kept batch holds 1/16 of them."""
+        shape = (imgsz[0] // MASK_DOWNSAMPLE, imgsz[1] // MASK_DOWNSAMPLE)
+        if not len(masks):
+            return masks.new_zeros(0, *shape, dtype=torch.float32)
+        return F.interpolate(masks[None].float(), shape, mode="bilinear", align_corners=False)[0].gt_(0.5)
 
     def loss(self, model: nn.Module):
         """Upstream's training loss for `model` (which must carry `hyp`): a callable
@@ -53,7 +68,7 @@ class Task:
 
     def score(self, metrics: dict) -> float:
         """What picks a best epoch: box mAP50-95, plus mask mAP50-95 for segmentation."""
-        return sum(metrics[k] for k in ("ap", "mask_ap") if k in self.metric_keys)
+        return selection_score(self.metrics(metrics))
 
     def metrics(self, values: dict) -> dict:
         """The task's metrics out of a larger dict."""

@@ -41,14 +41,16 @@ class NMSConfig:
 # Data
 # --------------------------------------------------------------------------------------------------
 class FirstBatches:
-    """The first `n` batches of a loader, with a length; the same images on every pass."""
+    """The first `n` batches of a loader, with a length; the same images on every pass; each batch through `prepare`
+    (a pure function of the batch) if given."""
 
-    def __init__(self, loader, n: int | None):
+    def __init__(self, loader, n: int | None, prepare: Callable[[tuple], tuple] | None = None):
         self.loader, self.n = loader, (len(loader) if n is None else min(n, len(loader)))
-        self.batch_size = loader.batch_size
+        self.batch_size, self.prepare = loader.batch_size, prepare
 
     def __iter__(self):
-        return itertools.islice(iter(self.loader), self.n)
+        batches = itertools.islice(iter(self.loader), self.n)
+        return batches if self.prepare is None else map(self.prepare, batches)
 
     def __len__(self):
         return self.n
@@ -89,17 +91,19 @@ def kept_in_memory(loader: FirstBatches, imgsz: int, limit: int = KEEP_BYTES) ->
 
 def val_loader(task: Task, data_dict: dict, imgsz: int, batch_size: int, workers: int, num_image: int | None = None,
                data: str | Path = "", split: str = "val") -> FirstBatches:
-    """Square letterboxed batches of the `split` images (pad 0.5 of a stride, as upstream val). Refuses a split
-    without images or without a single label: every metric would be 0 and a 'best' epoch picked on noise."""
+    """Square letterboxed batches of the `split` images (pad 0.5 of a stride, as upstream val); for segmentation
+    with every instance's full mask, as segment/val.py scores (Task.scored_masks). Refuses a split without images or
+    without a single label: every metric would be 0 and a 'best' epoch picked on noise."""
     try:
-        loader, dataset = task.dataloader(data_dict[split], imgsz, batch_size, 32, pad=0.5, rect=False,
+        loader, dataset = task.dataloader(data_dict[split], imgsz, batch_size, 32, scoring=True, pad=0.5, rect=False,
                                           workers=workers, close_mosaic=True, prefix=colorstr(f"{split}: "))
     except Exception as e:  # upstream raises a bare Exception for an empty or unreadable image folder
         raise ValueError(f"--data {data}: {split} {data_dict[split]}: {e}".split("\n")[0]) from None
     if sum(len(labels) for labels in dataset.labels) == 0:
         raise ValueError(f"--data {data}: the {len(dataset)} {split} images have no labels (looked for "
                          f"{Path(dataset.label_files[0]).parent}/*.txt); mAP would be 0 for every model")
-    return FirstBatches(loader, None if num_image is None else math.ceil(num_image / batch_size))
+    prepare = (lambda b: (*b[:4], task.scored_masks(b[4], b[0].shape[2:]), *b[5:])) if task.has_masks else None
+    return FirstBatches(loader, None if num_image is None else math.ceil(num_image / batch_size), prepare)
 
 
 def check_outputs(runner, task: Task, nc: int, model: str | Path) -> None:
@@ -193,14 +197,14 @@ def match(iou: torch.Tensor, label_cls: torch.Tensor, pred_cls: torch.Tensor,
     return torch.from_numpy(correct)
 
 
-def mask_iou_overlapped(gt: torch.Tensor, n_labels: int, pred_masks: torch.Tensor) -> torch.Tensor:
-    """IoU (n_labels, n_pred) of predicted masks with ground truth given as one overlap mask (instance k has value
-    k + 1, the loaders' overlap_mask=True), resized to the predictions' resolution if needed."""
+def mask_iou_instances(gt: torch.Tensor, pred_masks: torch.Tensor) -> torch.Tensor:
+    """IoU (n_labels, n_pred) of predicted masks with each labelled instance's full mask, resized to the
+    predictions' resolution if needed (segment/val.py's rule)."""
     from utils.segment.general import mask_iou
-    gt = (gt.float()[None] == torch.arange(1, n_labels + 1, dtype=torch.float32).view(-1, 1, 1)).float()
+    gt = gt.float()
     if gt.shape[1:] != pred_masks.shape[1:]:
         gt = F.interpolate(gt[None], pred_masks.shape[1:], mode="bilinear", align_corners=False)[0].gt_(0.5)
-    return mask_iou(gt.view(n_labels, -1), pred_masks.view(len(pred_masks), -1))
+    return mask_iou(gt.view(len(gt), -1), pred_masks.view(len(pred_masks), -1))
 
 
 def summary(stats: list[np.ndarray], column: int, nc: int, prefix: str = "") -> dict:
@@ -284,6 +288,7 @@ def _batch_stats(outputs: dict[str, torch.Tensor], batch, task: Task, nms: NMSCo
     from utils.segment.general import process_mask
     im, targets, paths, shapes = batch[:4]
     _, _, height, width = im.shape
+    instance_masks = batch[4] if task.has_masks else None  # in the order of the labels (segment/val.py's)
     outputs = dict(outputs)
     protos = outputs.pop(task.output_names[1]) if task.has_masks and "num_dets" not in outputs else None
     preds = detections(outputs, nms, nm=0 if protos is None else protos.shape[1])
@@ -306,8 +311,8 @@ def _batch_stats(outputs: dict[str, torch.Tensor], batch, task: Task, nms: NMSCo
             if task.has_masks:
                 masks = outputs["det_masks"][si, :len(pred)] if "det_masks" in outputs else \
                     process_mask(protos[si], pred[:, 6:], pred[:, :4], shape=im[si].shape[1:])
-                correct_masks = match(mask_iou_overlapped(batch[4][si], len(labels), masks), labels[:, 0],
-                                      predn[:, 5])
+                gt = instance_masks[targets[:, 0] == si]
+                correct_masks = match(mask_iou_instances(gt, masks), labels[:, 0], predn[:, 5])
         stats.append((correct, correct_masks, pred[:, 4], pred[:, 5], labels[:, 0]))
         if jdict is not None:
             jdict.extend(_coco_json(Path(paths[si]).stem, predn))
