@@ -37,14 +37,33 @@ from utils.provenance import command_line, machine, sha256, toolkit_commit  # no
 
 MAP = "metrics/mAP_0.5:0.95"
 MAP50 = "metrics/mAP_0.5"
+MASK_MAP = "metrics/mask_mAP_0.5:0.95"
+MASK_MAP50 = "metrics/mask_mAP_0.5"
+
+
+def column(header: str) -> str:
+    """A results.csv header under one name for every task: a segmenter's box columns ('metrics/mAP_0.5(B)') as a
+    detector's, its mask columns ('metrics/mAP_0.5(M)') as 'metrics/mask_mAP_0.5'."""
+    header = header.strip()
+    if header.endswith("(B)"):
+        return header[:-3]
+    if header.endswith("(M)"):
+        return header[:-3].replace("metrics/", "metrics/mask_", 1)
+    return header
 
 
 def read_curve(results_csv: Path) -> list[dict]:
-    """Upstream's results.csv (space-padded headers) as a list of {column: float}."""
+    """Upstream's results.csv (space-padded headers; train.py's or segment/train.py's) as a list of {column: float}."""
     with open(results_csv) as f:
         rows = list(csv.reader(f))
-    head = [h.strip() for h in rows[0]]
-    return [{h: float(v) for h, v in zip(head, r)} for r in rows[1:] if r]
+    head = [column(h) for h in rows[0]]
+    # segment/train.py appends its final validation of best.pt as a row without the loss columns: not an epoch
+    return [{h: float(v) for h, v in zip(head, r)} for r in rows[1:] if len(r) == len(head)]
+
+
+def select_score(row: dict) -> float:
+    """What picks the best epoch, as qat.py picks stages: box mAP50-95, plus mask mAP50-95 for a segmenter."""
+    return row[MAP] + row.get(MASK_MAP, 0.0)
 
 
 def plateau(values: list[float], share: float = 0.1) -> dict:
@@ -66,13 +85,16 @@ def plateau(values: list[float], share: float = 0.1) -> dict:
 
 
 def convergence(curve: list[dict], patience: int) -> dict:
-    """Best epoch by select mAP50-95; whether `patience` epochs passed without a new best (upstream's early stop);
-    and whether the curve ended on a plateau (`plateau`): converged is either."""
-    best = max(range(len(curve)), key=lambda i: curve[i][MAP])
+    """Best epoch by select mAP50-95 (boxes + masks for a segmenter: `select_score`); whether `patience` epochs passed
+    without a new best (upstream's early stop); and whether that curve ended on a plateau (`plateau`): converged is
+    either."""
+    best = max(range(len(curve)), key=lambda i: select_score(curve[i]))
     since = len(curve) - 1 - best
-    end = plateau([r[MAP] for r in curve])
+    end = plateau([select_score(r) for r in curve])
+    masks = {"best_select_mask_map": curve[best][MASK_MAP], "best_select_mask_map50": curve[best][MASK_MAP50]} \
+        if MASK_MAP in curve[best] else {}
     return {"epochs_run": len(curve), "best_epoch": int(curve[best]["epoch"]), "best_select_map": curve[best][MAP],
-            "best_select_map50": curve[best][MAP50], "epochs_since_best": since, "last_epochs": end,
+            "best_select_map50": curve[best][MAP50], **masks, "epochs_since_best": since, "last_epochs": end,
             "converged": since >= patience or end["plateau"]}
 
 
@@ -82,12 +104,16 @@ def plot_curve(curve: list[dict], conv: dict, title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
     epochs = [int(r["epoch"]) for r in curve]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(epochs, [r[MAP] for r in curve], label="select mAP50-95")
-    ax.plot(epochs, [r[MAP50] for r in curve], label="select mAP50", alpha=0.6)
+    what = "box " if MASK_MAP in curve[0] else ""
+    ax.plot(epochs, [r[MAP] for r in curve], label=f"select {what}mAP50-95", color="C0")
+    ax.plot(epochs, [r[MAP50] for r in curve], label=f"select {what}mAP50", color="C0", alpha=0.5)
+    if what:
+        ax.plot(epochs, [r[MASK_MAP] for r in curve], label="select mask mAP50-95", color="C1")
+        ax.plot(epochs, [r[MASK_MAP50] for r in curve], label="select mask mAP50", color="C1", alpha=0.5)
     ax.axvline(conv["best_epoch"], color="gray", ls="--", lw=1, label=f"best (epoch {conv['best_epoch']})")
     ax.set(xlabel="epoch", ylabel="mAP", title=title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left")
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     plt.close(fig)
@@ -155,6 +181,7 @@ def collect(run_dir: Path, out: Path, model: str, weights_out: Path | None, repa
     best = run_dir / "weights" / "best.pt"
     if weights_out is not None:
         compact_weights(best, weights_out)
+    weights = weights_out or best  # without --weights-out the record names the run's own best.pt
     converted = reparameterize(weights_out, args["data"], reparameterize_as) if reparameterize_as else None
     started = json.loads((run_dir / PROVENANCE).read_text())
     entry = {"model": model, "finished": conv["converged"] or conv["epochs_run"] >= args["epochs"],
@@ -163,8 +190,7 @@ def collect(run_dir: Path, out: Path, model: str, weights_out: Path | None, repa
              "started": started,
              "upstream_args": {k: args[k] for k in ("cfg", "data", "hyp", "epochs", "batch_size", "imgsz", "seed",
                                                     "close_mosaic", "cache", "workers", "optimizer") if k in args},
-             "weights": str(weights_out) if weights_out else None,
-             "weights_sha256": sha256(weights_out) if weights_out else None, "converted": converted,
+             "weights": str(weights), "weights_sha256": sha256(weights), "converted": converted,
              "collected": {"commit": toolkit_commit(), "command": command_line(), "machine": machine()}}
     atomic_write(out / "train.json", lambda tmp: Path(tmp).write_text(json.dumps(entry, indent=2) + "\n"))
     return entry
@@ -193,7 +219,8 @@ def parse_opt(argv=None):
     p.add_argument("--cfg", required=True, help="model yaml, e.g. models/detect/gelan-s.yaml")
     p.add_argument("--name", required=True)
     p.add_argument("--out", required=True, help="folder for results.csv, curve.png, train.json")
-    p.add_argument("--train-script", default="train.py", help="train.py (GELAN) or train_dual.py (YOLOv9)")
+    p.add_argument("--train-script", default="train.py",
+                   help="train.py (GELAN) or train_dual.py (YOLOv9); segment/train.py or segment/train_dual.py")
     p.add_argument("--hyp", default="data/hyps/hyp.scratch-high.yaml")
     p.add_argument("--imgsz", type=int, default=640)
     p.add_argument("--batch", type=int, default=64)
@@ -211,9 +238,9 @@ def parse_opt(argv=None):
     p.add_argument("--fraction", type=float, default=DEFAULT_FRACTION)
     p.add_argument("--split-seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--weights-out", type=Path, help="also write the best epoch's EMA weights (FP16) here")
-    p.add_argument("--reparameterize", metavar="MODEL", choices=("t", "s", "m", "c", "e"),
+    p.add_argument("--reparameterize", metavar="MODEL", choices=("t", "s", "m", "c", "e", "c-seg"),
                    help="with --weights-out: also convert them (reparameterization.py --model MODEL) to "
-                        "WEIGHTS-converted.pt, for YOLOv9 models trained with train_dual.py")
+                        "WEIGHTS-converted.pt, for YOLOv9 models trained with train_dual.py or segment/train_dual.py")
     p.add_argument("--collect", action="store_true", help="only write OUT from the run as it stands")
     return p.parse_args(argv)
 
@@ -259,8 +286,9 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as e:
         print(f"train_float: error: {e}", file=sys.stderr)
         return 2
-    print(f"train_float: {entry['model']}: {entry['epochs_run']} epochs, best {entry['best_select_map']:.4f} at epoch "
-          f"{entry['best_epoch']}, {'converged' if entry['converged'] else 'NOT converged'} "
+    masks = f" (masks {entry['best_select_mask_map']:.4f})" if "best_select_mask_map" in entry else ""
+    print(f"train_float: {entry['model']}: {entry['epochs_run']} epochs, best {entry['best_select_map']:.4f}{masks} at "
+          f"epoch {entry['best_epoch']}, {'converged' if entry['converged'] else 'NOT converged'} "
           f"(patience {entry['patience']})")
     return 0
 

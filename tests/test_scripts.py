@@ -444,14 +444,14 @@ def test_benchmark_steps_run_with_the_callers_thread_count_not_upstreams(demo_da
 def _published_runs(tmp_path, folder: str):
     """A copy of helmet gelan-s's entry with its published `folder` of runs under tmp_path (the tables read an --out
     folder; the folder's own entry.json, the entry made on the runs' machine, is copied as a file), and a function
-    rendering that experiment's table (utils/benchmark_tables.py: the experiment is declared, not coded)."""
+    rendering that experiment's table (utils/benchmark_experiments.py: the experiment is declared, not coded)."""
     import shutil
-    from utils import benchmark_tables
+    from utils import benchmark_experiments
     src, dst = REPO / "results" / "helmet" / "gelan-s", tmp_path / "helmet" / "gelan-s"
     shutil.copytree(src / folder, dst / folder)
     shutil.copy(src / "entry.json", dst / "entry.json")
-    return benchmark_tables, dst, lambda: benchmark_tables.experiment_table(tmp_path,
-                                                                            benchmark_tables.EXPERIMENTS[folder])
+    return benchmark_experiments, dst, lambda: benchmark_experiments.experiment_table(
+        tmp_path, benchmark_experiments.EXPERIMENTS[folder])
 
 
 def test_partial_controls_sit_only_beside_runs_of_the_same_settings(tmp_path):

@@ -263,3 +263,44 @@ def test_masks_are_scored_whole_where_instances_nest(checkout, tmp_path):
     full = next(iter(val_loader(SEGMENT, data, 160, 1, 0)))[4]
     assert full.shape == (2, 40, 40) and full[0].sum() == 30 * 30 and full[1].sum() == 10 * 10
     assert (overlap == 1).sum() < (overlap >= 1).sum()  # the small instance took its area out of the large one
+
+
+def _coco128_seg(tmp_path: Path, val: int = 28) -> Path:
+    """shared/datasets/coco128-seg-416 as a yaml of absolute paths whose last `val` images are val and the rest train
+    (it ships train = val, which a select split refuses)."""
+    import yaml
+    src = SHARED / "datasets" / "coco128-seg-416"
+    data = yaml.safe_load((src / "data.yaml").read_text())
+    images = sorted(p for p in (src / data["train"]).iterdir() if p.suffix in (".jpg", ".png", ".webp"))
+    for split, files in (("train", images[:-val]), ("val", images[-val:])):
+        (tmp_path / f"{split}.txt").write_text("".join(f"{f}\n" for f in files))
+        data[split] = str(tmp_path / f"{split}.txt")
+    data["path"] = str(src)
+    (tmp_path / "coco128-seg.yaml").write_text(yaml.safe_dump(data))
+    return tmp_path / "coco128-seg.yaml"
+
+
+needs_coco128_seg = pytest.mark.skipif(SHARED is None or not (SHARED / "datasets" / "coco128-seg-416").is_dir(),
+                                       reason="shared/datasets/coco128-seg-416 not found (set YOLOV9_QAT_SHARED)")
+
+
+@needs_coco128_seg
+def test_float_training_records_a_segmenter_from_upstreams_segment_train(checkout, tmp_path):
+    """scripts/train_float.py with --train-script segment/train.py: upstream's real run (1 epoch on COCO128
+    photographs with polygons, 64 px) and its results.csv of box (B) and mask (M) columns, plus the final validation
+    row segment/train.py appends without its loss columns, which is no epoch: the record has the box and mask curve
+    on select, the best epoch by box + mask, and the weights' sha256."""
+    from utils.provenance import sha256
+    out = tmp_path / "out"
+    r = run_cli("scripts/train_float.py", "--data", _coco128_seg(tmp_path), "--cfg", REPO / "assets" / "gelan-t-seg.yaml",
+                "--name", "seg", "--out", out, "--train-script", "segment/train.py", "--imgsz", 64, "--batch", 32,
+                "--epochs", 1, "--workers", 0, "--device", "cpu", "--project", tmp_path / "runs", "--split-dir",
+                tmp_path / "split", "--weights-out", tmp_path / "w" / "seg.pt", timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    header = (out / "results.csv").read_text().splitlines()[0]
+    assert "metrics/mAP_0.5:0.95(M)" in header  # upstream's segmentation columns, read as they are
+    t = json.loads((out / "train.json").read_text())
+    assert t["epochs_run"] == 1 and t["best_epoch"] == 0 and t["model"] == "gelan-t-seg"
+    assert {"best_select_map", "best_select_map50", "best_select_mask_map", "best_select_mask_map50"} <= set(t)
+    assert t["weights_sha256"] == sha256(tmp_path / "w" / "seg.pt") and (out / "curve.png").stat().st_size > 0
+    assert "masks" in r.stdout

@@ -1,22 +1,16 @@
 """The benchmark's tables, rendered from the JSON under results/ (what scripts/benchmark_accuracy.py and the other
-benchmarks wrote): the per-model accuracy entries, the float trainings, the recipe ablations, the training cost,
-the demo, and the experiments: kept `qat.py quantize` runs set beside an entry.
-
-An experiment table is data, not code (`EXPERIMENTS`): the folder its report.json files sit in, which setting
-groups them into rows, which columns (a metric of an arm, or the difference of two cells), and which settings may
-differ from the entry's (the rest must agree, or the table refuses to render). Every run, an entry's or a kept
-report's, is read into the same per-seed metrics first (`entry_runs`, `report_run`), so a new experiment needs a
-new `Experiment`, not a new function.
+benchmarks wrote): the per-model accuracy entries (a segmenter's boxes and masks), the float trainings, the recipe
+ablations, the training cost, the demo, and the experiments (utils/benchmark_experiments.py: kept `qat.py quantize`
+runs set beside an entry).
 """
 from __future__ import annotations
 
 import json
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
+from utils.benchmark_experiments import EXPERIMENTS, comparable_reports, entry_beside, experiment_table, report_run
 from utils.io_utils import write_json
 from utils.provenance import overlay_repo
 from utils.results import difference, fmt, fmt_difference, render_files, selection_score, spread
@@ -125,18 +119,18 @@ def entries(out: Path) -> list[dict]:
     return [json.loads(f.read_text()) for f in sorted(out.glob("*/*/entry.json"))]
 
 
-def model_table(e: dict) -> str:
-    """One model: every stage's mAP50-95 on val (mean +- std over seeds) and on select where choices were made."""
-    s, seeds = e["summary"], len(e["provenance"]["seeds"])
+def model_table(e: dict, metric: str = "ap") -> str:
+    """One model: every stage's mAP50-95 on val (mean +- std over seeds) and on select where choices were made; of
+    the boxes, or with `metric` "mask_ap" of a segmenter's masks."""
+    s, seeds = e["summary"] if metric == "ap" else e["summary"]["mask"], len(e["provenance"]["seeds"])
     not_run = "not run (" + ", ".join(e.get("not_run", [])) + " skipped)"
-    rows = [("FP32 (the trained model)", s["fp"], fmt(spread([e["fp"]["select"]["ap"]])))]
+    rows = [("FP32 (the trained model)", s["fp"], fmt(spread([e["fp"]["select"][metric]])))]
     for m in s["ptq"]:
         chosen = " (chosen on select)" if m == e["ptq_choice"] else ""
         rows.append((f"PTQ {m}{chosen}", s["ptq"][m], fmt(s["ptq_select"][m])))
     if "auto" in s:
         chosen = ", ".join(r["auto"]["chosen"] for r in e["qat"].values())
-        rows.append((f"PTQ auto, the default (chose {chosen})", s["auto"],
-                     fmt(spread([r["auto"]["candidates"][r["auto"]["chosen"]] for r in e["qat"].values()]))))
+        rows.append((f"PTQ auto, the default (chose {chosen})", s["auto"], fmt(auto_select(e, metric))))
     for key, name in (("fp_ft_best", "FP fine-tune control, best epoch on select"),
                       ("fp_ft_last", "FP fine-tune control, last epoch"), ("qat_best", "QAT, best epoch on select"),
                       ("qat_last", "QAT, last epoch")):
@@ -164,14 +158,16 @@ def model_table(e: dict) -> str:
     for m, v in s.get("modelopt", {}).items():
         chosen = " (chosen on select)" if m == e.get("modelopt_choice") else ""
         rows.append((f"Model Optimizer ONNX PTQ {m}{chosen}", v,
-                     fmt(spread([r["select"]["ap"] for r in e["modelopt"][m].values()]))))
+                     fmt(spread([r["select"][metric] for r in e["modelopt"][m].values()]))))
     prov = e["provenance"]
     peer = f"; Model Optimizer rows added later on {_where(prov['peer']['machine'])}, commit " \
            f"{_commit(prov['peer']['commit'])}" if "peer" in prov else ""
-    lines = [f"**{e['model']}** on {e['dataset']} ({prov['split']['images']['val']} val images, "
-             f"imgsz {e['imgsz']}; {seeds} seeds; {_where_measured(prov)}; commit {_commit(prov['commit'])}{peer})",
-             "",
-             "| Stage | mAP50-95 val, mean ± std (seeds) | mAP50-95 select |", "|---|---|---|"]
+    what = ("masks" if metric == "mask_ap" else "boxes") if "mask" in e["summary"] else ""
+    lines = [f"**{e['model']}** on {e['dataset']}{', ' + what if what else ''} ({prov['split']['images']['val']} val "
+             f"images, imgsz {e['imgsz']}; {seeds} seeds; {_where_measured(prov)}; commit {_commit(prov['commit'])}"
+             f"{peer})", "",
+             f"| Stage | {what.capitalize() + ' ' if what else ''}mAP50-95 val, mean ± std (seeds) | mAP50-95 select |",
+             "|---|---|---|"]
     lines += [f"| {name} | {fmt(v)} | {sel} |" for name, v, sel in rows]
     if s.get("one_calibration_sample"):
         lines += ["", "Every seed calibrated on the same images (the fit split holds fewer than --calib-batches x "
@@ -201,6 +197,13 @@ def model_table(e: dict) -> str:
                      f"ours {e['ours_lint']['unshared_joins']} ({e['ours_lint']['graph']} graph), Model Optimizer "
                      f"{lint['unshared_joins']}")
     return "\n".join(lines)
+
+
+def auto_select(e: dict, metric: str) -> dict:
+    """The select mAP of the candidate `auto` chose, per seed: its PTQ row where the entry measured that method,
+    else the score the run chose by (box mAP of a detector)."""
+    return spread([e["ptq"][r["auto"]["chosen"]][seed]["select"][metric] if r["auto"]["chosen"] in e["ptq"] else
+                   r["auto"]["candidates"][r["auto"]["chosen"]] for seed, r in e["qat"].items()])
 
 
 def ort_ptq_line(e: dict, s: dict) -> str:
@@ -250,12 +253,13 @@ def training_table(out: Path) -> str:
         last = sessions[-1].get("exit")
         seconds = total if last == 0 or total == "not recorded" else \
             f"{total} in the {len(sessions)} recorded session(s), the last exited {last}"
+        masks = f" / {t['best_select_mask_map']:.4f}" if "best_select_mask_map" in t else ""
         rows.append(f"| {f.parts[-4]} | {f.parts[-3]} | {t['epochs_run']} of {t['max_epochs']} | {t['best_epoch']} | "
-                    f"{t['best_select_map']:.4f} | {'yes' if t['converged'] else 'no'} ({since}{plateau}) | "
+                    f"{t['best_select_map']:.4f}{masks} | {'yes' if t['converged'] else 'no'} ({since}{plateau}) | "
                     f"{seconds} | {gpus[1] if gpus else 1} x {start['machine']['gpu']} | "
                     f"[curve](../{f.parent.relative_to(out.parent)}/curve.png) |")
-    return _markdown(("Data", "Model", "Epochs run", "Best epoch", "Best select mAP50-95", "Converged", "Time", "GPUs",
-                      "Curve"), rows, "No float training recorded yet.")
+    return _markdown(("Data", "Model", "Epochs run", "Best epoch", "Best select mAP50-95 (box / mask)", "Converged",
+                      "Time", "GPUs", "Curve"), rows, "No float training recorded yet.")
 
 
 LEAD = ("yolov9-c", "gelan-c")  # the family's flagship first
@@ -265,9 +269,7 @@ def headline_table(out: Path) -> str:
     """One row per accuracy entry, the flagship first: the float model, PTQ as `auto` delivers it, the default
     command's delivered INT8 model and its float control, on the reported val images (mean over seeds)."""
     rows = []
-    ordered = sorted(entries(out), key=lambda e: (LEAD.index(e["model"]) if e["model"] in LEAD else len(LEAD),
-                                                  e["model"], e["dataset"]))
-    for e in ordered:
+    for e in _lead_first(e for e in entries(out) if "mask" not in e["summary"]):
         s, prov = e["summary"], e["provenance"]
         images = prov["split"]["images"]
         steps = prov.get("steps_ran_on") or [f"{_where(prov['machine'])} (torch {prov['machine']['torch']})"]
@@ -278,6 +280,28 @@ def headline_table(out: Path) -> str:
     return _markdown(("Model", "Data (fit + select train images, val)", "px", "FP32", "INT8 PTQ (auto)",
                       "**INT8 delivered**", "Delivered - FP32", "FP32 fine-tune control", "Measured on"),
                      rows, "No benchmark entry yet.")
+
+
+def _lead_first(found) -> list[dict]:
+    return sorted(found, key=lambda e: (LEAD.index(e["model"].removesuffix("-seg")) if e["model"].removesuffix("-seg")
+                                        in LEAD else len(LEAD), e["model"], e["dataset"]))
+
+
+def segment_headline_table(out: Path) -> str:
+    """The segmenters' entries: box and mask mAP50-95 of the same stages as the detectors' headline, masks scored
+    whole as upstream's segment/val.py scores them."""
+    rows = []
+    for e in _lead_first(e for e in entries(out) if "mask" in e["summary"]):
+        box, mask, prov = e["summary"], e["summary"]["mask"], e["provenance"]
+        images = prov["split"]["images"]
+        both = lambda k: f"{fmt(box.get(k))} / {fmt(mask.get(k))}"  # noqa: E731
+        gains = " / ".join(fmt_difference(s["user_gain"]) if "user_gain" in s else "-" for s in (box, mask))
+        rows.append(f"| **{e['model']}** | {e['dataset']} ({images['fit']} + {images['select']} train, "
+                    f"{images['val']} val) | {e['imgsz']} | {both('fp')} | {both('auto')} | {both('final')} | {gains} | "
+                    f"{both('fp_ft_best')} | {'; '.join(prov.get('steps_ran_on') or [_where(prov['machine'])])} |")
+    return _markdown(("Model", "Data (fit + select train images, val)", "px", "FP32 box / mask", "INT8 PTQ (auto)",
+                      "**INT8 delivered**", "Delivered - FP32", "FP32 fine-tune control", "Measured on"),
+                     rows, "No segmentation entry yet.")
 
 
 def recovery_table(out: Path) -> str:
@@ -448,199 +472,11 @@ def ablation_table(out: Path) -> str:
     return "\n\n".join(parts) if parts else "No ablation recorded yet."
 
 
-# --------------------------------------------------------------------------------------------------
-# Experiments: kept qat.py runs beside the entry made on their machine
-# --------------------------------------------------------------------------------------------------
-def entry_runs(e: dict) -> dict[str, dict[str, dict[str, float]]]:
-    """An entry's default-command runs ("qat") and float controls ("control"), per seed, as the metrics the experiments read."""
-    qat = {s: {"select_best": max(r["select_by_epoch"]), "select_last": r["select_by_epoch"][-1],
-               "select_delivered": max(r["auto"]["candidates"][r["auto"]["chosen"]], *r["select_by_epoch"]),
-               "val_delivered": r["val_final"]["ap"], "float_select": e["fp"]["select"]["ap"],
-               "ptq_select": r["auto"]["candidates"][r["auto"]["chosen"]]} for s, r in e["qat"].items()}
-    control = {s: {"select_best": max(r["select_by_epoch"]), "select_last": r["select_by_epoch"][-1],
-                   "select_delivered": max(r["select_by_epoch"]), "val_delivered": r["val_best"]["ap"]}
-               for s, r in e.get("fp_ft", {}).items()}
-    return {"qat": qat, "control": control}
-
-
-def report_run(r: dict) -> dict[str, float]:
-    """A kept qat.py report.json as the same metrics: its fine-tune epochs (float epochs aside), the delivered model (the best
-    on select) on select and val, and where it fine-tuned in float first, the float model and PTQ of it."""
-    tuned = [e["ap"] for e in r["qat"] if e.get("stage") != "float"]
-    k = r["config"].get("float_epochs", 0)
-    mixed = r.get("mixed_precision")
-    return {"select_best": max(tuned), "select_last": tuned[-1], "select_delivered": r["final"]["ap"],
-            "val_delivered": r["val"]["final"]["ap"],
-            **({"float_select": r["qat"][k - 1]["ap"], "ptq_select": r["recalibrated"]["metrics"]["ap"]} if k else {}),
-            **({"float_select": mixed["origin_select"], "ptq_select": mixed["all_int8_select"],
-                "mixed_select": mixed["mixed_select"], "int8_share": mixed["int8_mac_share"],
-                "boundaries": mixed["boundaries"]} if mixed else {})}
-
-
-@dataclass(frozen=True)
-class Cell:
-    """A column: `metric` of `arm` in this row, minus (when `minus` is set) another cell: (row or None for this
-    row, arm, metric); arm "float model" is the entry's float model on val."""
-    header: str
-    arm: str
-    metric: str
-    minus: tuple[object, str, str] | None = None
-    digits: int = 4
-
-
-@dataclass(frozen=True)
-class Experiment:
-    folder: str                                  # OUT/<dataset>/<model>/<folder>/: the runs' report.json files
-    title: str                                   # after "**model** on dataset, select split (N images), "
-    row_header: str
-    row_of: Callable[[dict], object]             # a kept report's row
-    arm_of: Callable[[dict], str]                # and its arm within the row
-    entry_rows: Callable[[dict], dict]           # the entry's own runs: {row: {arm: entry arm name}}
-    row_label: Callable[[object, dict], str]     # (row, entry) -> the first cell
-    cells: tuple[Cell, ...]
-    ignore: tuple[str, ...] = ()                 # settings the kept runs may change (the rest must be the entry's)
-    none: str = "No run recorded yet."
-    order: Callable[[object], object] = lambda row: row  # rows sorted by it
-
-
-PARTS = {"": "weights and activations (QAT, the default command)", "weights": "activations only (weights float)",
-         "activations": "weights only (activations float)", "all": "nothing (the float control)"}
-_VS_QAT = ("", "run")
-EXPERIMENTS = {
-    "partial-control": Experiment(
-        "partial-control", "{qat_epochs} x {iters} iterations, seeds {seeds}", "INT8 during the fine-tune",
-        row_of=lambda r: r["config"]["control"], arm_of=lambda r: "run",
-        entry_rows=lambda e: {"": {"run": "qat"}, "all": {"run": "control"}},
-        row_label=lambda row, e: PARTS[row],
-        cells=(Cell("Best epoch on select", "run", "select_best"),
-               Cell("vs QAT", "run", "select_best", (*_VS_QAT, "select_best")),
-               Cell("Last epoch", "run", "select_last"),
-               Cell("vs QAT", "run", "select_last", (*_VS_QAT, "select_last")),
-               Cell("Best epoch on val", "run", "val_delivered")),
-        none="No partial control recorded yet.", order=lambda row: list(PARTS).index(row)),
-    "float-first": Experiment(
-        "float-first", "{qat_epochs} x {iters} iterations, {n_seeds} seeds", "Float epochs before PTQ",
-        row_of=lambda r: r["config"]["float_epochs"], arm_of=lambda r: "run",
-        entry_rows=lambda e: {0: {"run": "qat"}},
-        row_label=lambda row, e: f"{row}{' (the default command)' if not row else ''}",
-        cells=(Cell("Float model, select", "run", "float_select"), Cell("PTQ (auto), select", "run", "ptq_select"),
-               Cell("PTQ - float", "run", "ptq_select", (None, "run", "float_select")),
-               Cell("QAT after it, best epoch", "run", "select_best"),
-               Cell("Delivered, select", "run", "select_delivered"), Cell("Delivered, val", "run", "val_delivered")),
-        none="No float-first run recorded yet."),
-    "longer": Experiment(
-        "longer", "{iters} iterations per epoch, delivered models (best on select)", "Epochs",
-        row_of=lambda r: r["config"]["epochs"], arm_of=lambda r: "control" if r["config"]["control"] else "qat",
-        entry_rows=lambda e: {e["settings"]["qat_epochs"]: {"qat": "qat", "control": "control"}},
-        row_label=lambda row, e: f"{row}{' (the entry)' if row == e['settings']['qat_epochs'] else ''}",
-        cells=(Cell("QAT, select", "qat", "select_delivered"), Cell("Float control, select", "control",
-                                                                    "select_delivered"),
-               Cell("QAT - control, select", "qat", "select_delivered", (None, "control", "select_delivered")),
-               Cell("QAT, val", "qat", "val_delivered"), Cell("Float control, val", "control", "val_delivered"),
-               Cell("QAT - control, val", "qat", "val_delivered", (None, "control", "val_delivered")),
-               Cell("QAT - float model, val", "qat", "val_delivered", (None, "float model", "val"))),
-        ignore=("epochs",), none="No longer run recorded yet."),
-    "max-loss": Experiment(
-        "max-loss", "{qat_epochs} x {iters} iterations, seeds {seeds}; every figure from the runs' own report.json "
-        "(the delivered model's val mAP as qat.py measured it, batch 2 x --batch-size)", "Budget (--max-loss)",
-        row_of=lambda r: "none" if r["config"]["max_loss"] is None else r["config"]["max_loss"],
-        arm_of=lambda r: "run", entry_rows=lambda e: {},
-        row_label=lambda row, e: "none (the default command, all INT8)" if row == "none" else f"{row:g}",
-        cells=(Cell("Float, select", "run", "float_select"), Cell("All-INT8 PTQ, select", "run", "ptq_select"),
-               Cell("Mixed PTQ, select", "run", "mixed_select"),
-               Cell("Mixed - float, select", "run", "mixed_select", (None, "run", "float_select")),
-               Cell("INT8 share of conv MACs", "run", "int8_share", digits=3),
-               Cell("INT8/float boundaries", "run", "boundaries", digits=1),
-               Cell("Delivered, val", "run", "val_delivered"),
-               Cell("vs the default command, val", "run", "val_delivered", ("none", "run", "val_delivered"))),
-        none="No mixed-precision run recorded yet.", order=lambda row: (-1.0, 0.0) if row == "none" else (0.0, row)),
-}
-
-
-def _run_settings(run: dict) -> dict:
-    """What must match for a kept run to sit beside an entry's runs: select images, size, batch, schedule."""
-    if "config" in run:  # a qat.py report.json
-        c = run["config"]
-        return {"select": run["select"]["fingerprint"], "imgsz": c["imgsz"], "batch_size": c["batch_size"],
-                "epochs": c["epochs"], "iters": c["iters"], "calib_batches": c["quant"]["calib_batches"]}
-    s = run["settings"]
-    return {"select": run["provenance"]["split"]["fingerprint"]["select"], "imgsz": s["imgsz"],
-            "batch_size": s["batch_size"], "epochs": s["qat_epochs"], "iters": s["iters"],
-            "calib_batches": s["calib_batches"]}
-
-
-def entry_beside(folder: Path) -> dict:
-    """The entry an experiment's runs are set beside: `folder/entry.json` where the experiment names one (the entry
-    made on the machine its runs ran on: hosts of one kind differ by more than these differences), else the
-    model's current entry."""
-    own = folder / "entry.json"
-    return json.loads((own if own.is_file() else folder.parent / "entry.json").read_text())
-
-
-def comparable_reports(folder: Path, entry: dict, ignore: tuple[str, ...] = ()) -> list[dict]:
-    """The qat.py report.json files kept in `folder`, each a finished run with the entry's settings (`ignore`
-    aside); anything else is refused: its numbers would not be comparable."""
-    want = {k: v for k, v in _run_settings(entry).items() if k not in ignore}
-    reports = []
-    for f in sorted(p for p in folder.glob("*.json") if p.name != "entry.json"):
-        r = json.loads(f.read_text())
-        got = {k: v for k, v in _run_settings(r).items() if k not in ignore}
-        if got != want or not r.get("finished"):
-            raise ValueError(f"{f}: an unfinished run or one made with other settings than the entry's ({got} vs "
-                             f"{want}): its numbers are not comparable")
-        reports.append(r)
-    return reports
-
-
-def experiment_table(out: Path, x: Experiment) -> str:
-    """One table per model that kept runs of experiment `x`: rows of per-seed metrics, mean ± std over seeds."""
-    parts = []
-    for folder in sorted(out.glob(f"*/*/{x.folder}")):
-        e = entry_beside(folder)
-        mine = entry_runs(e)
-        rows: dict[object, dict[str, dict[str, list[float]]]] = {}
-        for row, arms in x.entry_rows(e).items():
-            for arm, source in arms.items():
-                for run in mine[source].values():
-                    for metric, v in run.items():
-                        rows.setdefault(row, {}).setdefault(arm, {}).setdefault(metric, []).append(v)
-        seeds = {str(s) for s in e["qat"]}
-        for r in comparable_reports(folder, e, x.ignore):
-            seeds.add(str(r["config"]["seed"]))
-            arm = rows.setdefault(x.row_of(r), {}).setdefault(x.arm_of(r), {})
-            for metric, v in report_run(r).items():
-                arm.setdefault(metric, []).append(v)
-        rows["float model"] = {"float model": {"val": [e["fp"]["val"]["ap"]]}}
-
-        def value(row, arm, metric):
-            values = rows[row][arm].get(metric) if arm != "float model" else rows["float model"][arm]["val"]
-            return spread(values, fixed=arm == "float model") if values else None  # None: the row has no such metric
-
-        s = e["settings"]
-        title = x.title.format(qat_epochs=s["qat_epochs"], iters=s["iters"], n_seeds=len(e["qat"]),
-                               seeds=", ".join(sorted(seeds)))
-        lines = [f"**{e['model']}** on {e['dataset']}, select split ({e['provenance']['split']['images']['select']} "
-                 f"images), {title}", "", "| " + " | ".join([x.row_header] + [c.header for c in x.cells])
-                 + " |", "|" + "---|" * (len(x.cells) + 1)]
-        for row in sorted((k for k in rows if k != "float model"), key=x.order):
-            cells = [x.row_label(row, e)]
-            for c in x.cells:
-                v = value(row, c.arm, c.metric)
-                if c.minus is None:
-                    cells.append(fmt(v, c.digits))
-                else:
-                    other_row, arm, metric = c.minus
-                    other = value(row if other_row is None else other_row, arm, metric)
-                    cells.append(fmt_difference(difference(v, other)) if v and other else "-")
-            lines.append("| " + " | ".join(cells) + " |")
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts) if parts else x.none
-
-
 def rendered(out: Path, docs: bool) -> dict[Path, dict[str, str]]:
     """Every rendered block, by file: OUT/accuracy.md, and with `docs` this repository's docs/RESULTS.md and
     README.md (nothing outside --out otherwise)."""
-    tables = [model_table(e) for e in entries(out)]
+    tables = [model_table(e, metric) for e in entries(out) for metric in ("ap", "mask_ap")
+              if metric == "ap" or "mask" in e["summary"]]
     accuracy = "\n\n".join(tables) if tables else "No benchmark entry yet."
     files = {out / "accuracy.md": {"accuracy": accuracy}}
     if docs:
@@ -648,7 +484,8 @@ def rendered(out: Path, docs: bool) -> dict[Path, dict[str, str]]:
                                                "ablation": ablation_table(out),
                                                "ptq-ranges": ptq_ranges_table(out),
                                                **{name: experiment_table(out, x) for name, x in EXPERIMENTS.items()}}
-        files[REPO / "README.md"] = {"headline": headline_table(out), "recovery": recovery_table(out),
+        files[REPO / "README.md"] = {"headline": headline_table(out), "headline-segment": segment_headline_table(out),
+                                     "recovery": recovery_table(out),
                                      "timing": timing_table(out), "demo": demo_table(out),
                                      "backends": backends_table(out)}
     return files
