@@ -181,7 +181,7 @@ def collect(run_dir: Path, out: Path, model: str, weights_out: Path | None, repa
     best = run_dir / "weights" / "best.pt"
     if weights_out is not None:
         compact_weights(best, weights_out)
-    weights = weights_out or best  # without --weights-out the record names the run's own best.pt
+    weights = weights_out or (best if best.is_file() else None)  # without --weights-out: the run's own best.pt
     converted = reparameterize(weights_out, args["data"], reparameterize_as) if reparameterize_as else None
     started = json.loads((run_dir / PROVENANCE).read_text())
     entry = {"model": model, "finished": conv["converged"] or conv["epochs_run"] >= args["epochs"],
@@ -190,7 +190,8 @@ def collect(run_dir: Path, out: Path, model: str, weights_out: Path | None, repa
              "started": started,
              "upstream_args": {k: args[k] for k in ("cfg", "data", "hyp", "epochs", "batch_size", "imgsz", "seed",
                                                     "close_mosaic", "cache", "workers", "optimizer") if k in args},
-             "weights": str(weights), "weights_sha256": sha256(weights), "converted": converted,
+             "weights": str(weights) if weights else None, "weights_sha256": sha256(weights) if weights else None,
+             "converted": converted,
              "collected": {"commit": toolkit_commit(), "command": command_line(), "machine": machine()}}
     atomic_write(out / "train.json", lambda tmp: Path(tmp).write_text(json.dumps(entry, indent=2) + "\n"))
     return entry

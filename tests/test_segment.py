@@ -304,3 +304,39 @@ def test_float_training_records_a_segmenter_from_upstreams_segment_train(checkou
     assert {"best_select_map", "best_select_map50", "best_select_mask_map", "best_select_mask_map50"} <= set(t)
     assert t["weights_sha256"] == sha256(tmp_path / "w" / "seg.pt") and (out / "curve.png").stat().st_size > 0
     assert "masks" in r.stdout
+
+
+@needs_coco128_seg
+def test_benchmark_entry_of_a_segmenter_is_written_resumed_and_rendered(checkout, tmp_path):
+    """scripts/benchmark_accuracy.py on a segmenter (gelan-t-seg, COCO128 photographs with polygons at 128 px; random
+    weights: no COCO model exists offline, so this checks the path, not accuracy): every measured stage carries box
+    and mask metrics, the summary has the masks' own, the delivered graph and the PTQ graphs rebuilt from the kept
+    ranges (FP32 and FP16, plain and end to end) have ONNX Runtime rows of both, lint clean; a second run reruns
+    nothing; the tables render boxes and masks and pass --check."""
+    from models.yolo import SegmentationModel
+    data = _coco128_seg(tmp_path)
+    torch.manual_seed(0)
+    model = SegmentationModel(str(REPO / "assets" / "gelan-t-seg.yaml"), nc=80).eval()
+    weights = save_float_checkpoint(model, tmp_path / "gelan-t-seg.pt")
+    out, work = tmp_path / "results", tmp_path / "work"
+    args = ["--dataset", "coco128seg", "--models", f"gelan-t-seg={weights}", "--data", data, "--imgsz", 128,
+            "--batch-size", 4, "--device", "cpu", "--workers", 0, "--seeds", 0, "--methods", "max", "--qat-epochs", 1,
+            "--iters", 1, "--calib-batches", 1, "--skip", "fp_ft", "--work", work, "--out", out]
+    r = run_cli("scripts/benchmark_accuracy.py", *args, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    r = run_cli("scripts/benchmark_accuracy.py", *args, "--add-ort", timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    e = json.loads((out / "coco128seg" / "gelan-t-seg" / "entry.json").read_text())
+    both = {"ap", "ap50", "mask_ap", "mask_ap50"}
+    measured = [e["fp"]["val"], e["fp"]["select"], e["ptq"]["max"]["0"]["val"], e["qat"]["0"]["val_final"],
+                e["ort"]["fp32"]["0"]["val"], e["ort"]["fp16"]["0"]["val"],
+                *(e["ort_ptq"]["0"][g]["val"] for g in ("fp32", "fp32_e2e", "fp16", "fp16_e2e"))]
+    assert all(both <= set(m) for m in measured)
+    assert "select_mask_by_epoch" in e["qat"]["0"] and e["summary"]["mask"]["fp"]["values"] == [e["fp"]["val"]["mask_ap"]]
+    assert all(e["ort_ptq"]["0"][g]["lint"]["unshared_joins"] == 0 for g in ("fp32", "fp16"))
+    again = call_cli("scripts/benchmark_accuracy.py", *args)
+    assert again.returncode == 0 and not [line for line in again.stdout.splitlines() if line.startswith("+ ")]
+    rendered = (out / "accuracy.md").read_text()
+    assert "**gelan-t-seg** on coco128seg, boxes" in rendered and "**gelan-t-seg** on coco128seg, masks" in rendered
+    r = call_cli("scripts/benchmark_accuracy.py", "--render", "--check", "--out", out)
+    assert r.returncode == 0, r.stdout + r.stderr
