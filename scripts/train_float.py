@@ -189,7 +189,8 @@ def collect(run_dir: Path, out: Path, model: str, weights_out: Path | None, repa
              "train_seconds": round(sum(r["seconds"] for r in started.get("sessions", [])), 1),
              "started": started,
              "upstream_args": {k: args[k] for k in ("cfg", "data", "hyp", "epochs", "batch_size", "imgsz", "seed",
-                                                    "close_mosaic", "cache", "workers", "optimizer") if k in args},
+                                                    "close_mosaic", "cache", "workers", "optimizer", "no_overlap")
+                               if k in args},
              "weights": str(weights) if weights else None, "weights_sha256": sha256(weights) if weights else None,
              "converted": converted,
              "collected": {"commit": toolkit_commit(), "command": command_line(), "machine": machine()}}
@@ -201,7 +202,8 @@ def train_args(opt, split_yaml: Path) -> list[str]:
     return ["--data", str(split_yaml), "--cfg", opt.cfg, "--weights", "", "--hyp", opt.hyp, "--img", str(opt.imgsz),
             "--batch", str(opt.batch), "--epochs", str(opt.epochs), "--patience", str(opt.patience), "--seed",
             str(opt.seed), "--workers", str(opt.workers), "--close-mosaic", str(opt.close_mosaic), "--cache", "ram",
-            "--device", opt.device, "--project", opt.project, "--name", opt.name, "--exist-ok"]
+            "--device", opt.device, "--project", opt.project, "--name", opt.name, "--exist-ok",
+            *(["--no-overlap"] if opt.no_overlap else [])]
 
 
 def launcher(opt) -> list[str]:
@@ -242,6 +244,9 @@ def parse_opt(argv=None):
     p.add_argument("--reparameterize", metavar="MODEL", choices=("t", "s", "m", "c", "e", "c-seg"),
                    help="with --weights-out: also convert them (reparameterization.py --model MODEL) to "
                         "WEIGHTS-converted.pt, for YOLOv9 models trained with train_dual.py or segment/train_dual.py")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="segmentation: train on every instance's full mask (upstream's --no-overlap) instead of one "
+                        "mask per image, where a smaller instance cuts its area out of a larger one it lies on")
     p.add_argument("--collect", action="store_true", help="only write OUT from the run as it stands")
     return p.parse_args(argv)
 
@@ -278,6 +283,10 @@ def train(opt) -> dict:
 
 def main(argv=None) -> int:
     opt = parse_opt(argv)
+    if opt.no_overlap and not Path(opt.train_script).parent.name == "segment":
+        print(f"train_float: error: --no-overlap is a segmentation flag; --train-script {opt.train_script} trains a "
+              "detector", file=sys.stderr)
+        return 2
     if opt.reparameterize and opt.weights_out is None:
         print("train_float: error: --reparameterize converts the --weights-out file: give --weights-out",
               file=sys.stderr)

@@ -292,10 +292,11 @@ def test_float_training_records_a_segmenter_from_upstreams_segment_train(checkou
     on select, the best epoch by box + mask, and the weights' sha256."""
     from utils.provenance import sha256
     out = tmp_path / "out"
-    r = run_cli("scripts/train_float.py", "--data", _coco128_seg(tmp_path), "--cfg", REPO / "assets" / "gelan-t-seg.yaml",
-                "--name", "seg", "--out", out, "--train-script", "segment/train.py", "--imgsz", 64, "--batch", 32,
-                "--epochs", 1, "--workers", 0, "--device", "cpu", "--project", tmp_path / "runs", "--split-dir",
-                tmp_path / "split", "--weights-out", tmp_path / "w" / "seg.pt", timeout=600)
+    cfg = REPO / "assets" / "gelan-t-seg.yaml"
+    r = run_cli("scripts/train_float.py", "--data", _coco128_seg(tmp_path), "--cfg", cfg, "--name", "seg",
+                "--out", out, "--train-script", "segment/train.py", "--imgsz", 64, "--batch", 32, "--epochs", 1,
+                "--workers", 0, "--device", "cpu", "--project", tmp_path / "runs", "--split-dir", tmp_path / "split",
+                "--weights-out", tmp_path / "w" / "seg.pt", "--no-overlap", timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     header = (out / "results.csv").read_text().splitlines()[0]
     assert "metrics/mAP_0.5:0.95(M)" in header  # upstream's segmentation columns, read as they are
@@ -303,7 +304,10 @@ def test_float_training_records_a_segmenter_from_upstreams_segment_train(checkou
     assert t["epochs_run"] == 1 and t["best_epoch"] == 0 and t["model"] == "gelan-t-seg"
     assert {"best_select_map", "best_select_map50", "best_select_mask_map", "best_select_mask_map50"} <= set(t)
     assert t["weights_sha256"] == sha256(tmp_path / "w" / "seg.pt") and (out / "curve.png").stat().st_size > 0
-    assert "masks" in r.stdout
+    assert "masks" in r.stdout and t["upstream_args"]["no_overlap"] is True  # full instance masks, as scored
+    r = call_cli("scripts/train_float.py", "--data", tmp_path / "coco128-seg.yaml", "--cfg", "x.yaml", "--name", "d",
+                 "--out", tmp_path / "d", "--no-overlap")  # upstream's train.py has no such flag
+    assert r.returncode == 2 and "--no-overlap" in r.stderr and not (tmp_path / "d").exists()
 
 
 @needs_coco128_seg
@@ -332,7 +336,8 @@ def test_benchmark_entry_of_a_segmenter_is_written_resumed_and_rendered(checkout
                 e["ort"]["fp32"]["0"]["val"], e["ort"]["fp16"]["0"]["val"],
                 *(e["ort_ptq"]["0"][g]["val"] for g in ("fp32", "fp32_e2e", "fp16", "fp16_e2e"))]
     assert all(both <= set(m) for m in measured)
-    assert "select_mask_by_epoch" in e["qat"]["0"] and e["summary"]["mask"]["fp"]["values"] == [e["fp"]["val"]["mask_ap"]]
+    assert "select_mask_by_epoch" in e["qat"]["0"]
+    assert e["summary"]["mask"]["fp"]["values"] == [e["fp"]["val"]["mask_ap"]]
     assert all(e["ort_ptq"]["0"][g]["lint"]["unshared_joins"] == 0 for g in ("fp32", "fp16"))
     again = call_cli("scripts/benchmark_accuracy.py", *args)
     assert again.returncode == 0 and not [line for line in again.stdout.splitlines() if line.startswith("+ ")]

@@ -25,7 +25,8 @@ def summarize(e: dict, metric: str = "ap") -> dict:
     over = lambda runs, key: spread([r[key][metric] for r in runs.values()])  # noqa: E731
     # where every seed calibrated on the same images (a fit split smaller than the sample), PTQ is one measurement
     one_sample = same_calibration_sample(e)
-    ptq_over = (lambda runs, key: spread([next(iter(runs.values()))[key][metric]])) if one_sample else over  # noqa: E731
+    one = lambda runs, key: spread([next(iter(runs.values()))[key][metric]])  # noqa: E731
+    ptq_over = one if one_sample else over
     s = {"fp": spread([e["fp"]["val"][metric]], fixed=True),
          "ptq": {m: ptq_over(runs, "val") for m, runs in e["ptq"].items()},
          "ptq_select": {m: ptq_over(runs, "select") for m, runs in e["ptq"].items()},
@@ -297,8 +298,8 @@ def segment_headline_table(out: Path) -> str:
         both = lambda k: f"{fmt(box.get(k))} / {fmt(mask.get(k))}"  # noqa: E731
         gains = " / ".join(fmt_difference(s["user_gain"]) if "user_gain" in s else "-" for s in (box, mask))
         rows.append(f"| **{e['model']}** | {e['dataset']} ({images['fit']} + {images['select']} train, "
-                    f"{images['val']} val) | {e['imgsz']} | {both('fp')} | {both('auto')} | {both('final')} | {gains} | "
-                    f"{both('fp_ft_best')} | {'; '.join(prov.get('steps_ran_on') or [_where(prov['machine'])])} |")
+                    f"{images['val']} val) | {e['imgsz']} | {both('fp')} | {both('auto')} | {both('final')} | "
+                    f"{gains} | {both('fp_ft_best')} | {'; '.join(prov.get('steps_ran_on') or [_where(prov['machine'])])} |")
     return _markdown(("Model", "Data (fit + select train images, val)", "px", "FP32 box / mask", "INT8 PTQ (auto)",
                       "**INT8 delivered**", "Delivered - FP32", "FP32 fine-tune control", "Measured on"),
                      rows, "No segmentation entry yet.")
