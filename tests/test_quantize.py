@@ -203,7 +203,8 @@ def test_every_candidate_range_comes_from_one_pass(gelan_t):
     the table the code uses, so a candidate that computed another method or percentile would fail)."""
     named = {"max": ("max", None), "mse": ("mse", None), "entropy": ("entropy", None),
              "percentile-99.9": ("percentile", 99.9), "percentile-99.99": ("percentile", 99.99),
-             "percentile-99.999": ("percentile", 99.999)}
+             "percentile-99.999": ("percentile", 99.999), "percentile-99.5": ("percentile", 99.5),
+             "percentile-99": ("percentile", 99.0)}
     model = copy.deepcopy(gelan_t)
     images = _images(2)
     stats = collect_statistics(model, QuantRecipe(calib_method="auto"), images)

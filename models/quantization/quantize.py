@@ -6,7 +6,7 @@ Model Optimizer, models/quantization/backends/), through its small interface onl
 are derived in `models/quantization/rules.py`.
 
 Calibration collects statistics once (`collect_statistics`, models.quantization.calibration.HistogramCollector for
-either backend); every candidate range (max, mse, entropy, three percentiles) is computed from those same
+either backend); every candidate range (max, mse, entropy, five percentiles) is computed from those same
 statistics, so `--calib-method auto` can measure each candidate and keep the best (models/core/selection.py) for
 the cost of one pass over the calibration images.
 """
