@@ -245,13 +245,15 @@ def test_quantize_max_loss_names_float_layers_and_exports_clean(max_loss_run, de
                                                                                             abs=1e-4)
     assert "float conv(s), select" in report["table"] and "mixed precision:" in printed
     final = shutil.copy(report["final"]["file"], tmp_path)  # the graph beside it, not in the run folder others read
+    # parity at a low threshold: a few fine-tuning steps from max ranges leave weak scores, and with one thread (as
+    # under xdist on a 2-core AMD EPYC) no detection of the delivered model reached 0.25 on the images checked
     e = run_cli("export_qat.py", "--weights", final, "--include", "onnx", "--imgsz", REDUCED_SIZE, "--dtype", "fp32",
-                "--verify", "--data", demo_data320, "--json", tmp_path / "export.json")
+                "--verify", "--conf-thres", 0.05, "--data", demo_data320, "--json", tmp_path / "export.json")
     assert e.returncode == 0, e.stderr[-3000:]
     result = json.loads((tmp_path / "export.json").read_text())
     assert result["lint"]["problems"] == 0 and len(result["lint"]["intended_float"]) == len(mp["float_convs"])
     # tolerance: models/deployment/export.py (one INT8 step flips)
-    assert result["parity"]["detections_matched"] >= 0.95
+    assert result["parity"]["detections_counted"] > 0 and result["parity"]["detections_matched"] >= 0.95
 
 
 def _summary(run_dir):
