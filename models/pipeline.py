@@ -635,7 +635,8 @@ def resume(save_dir: str | Path, **keep) -> dict:
     started, now = report.get("world_size", 1), world_from_env().size
     if started != now:
         raise ValueError(f"--resume {save_dir}: the run was started on {started} process(es), this job has {now}: "
-                         f"resume it with torchrun --nproc_per_node {started} (or without torchrun for 1)")
+                         f"resume it with torchrun --nproc_per_node {started} (or --nnodes M --nproc_per_node "
+                         f"{started}/M over M machines; without torchrun for 1)")
     cfg = replace(RunConfig.from_dict(report["config"]), **{k: v for k, v in keep.items() if v is not None})
     inputs = load_inputs(cfg)
     if inputs.world.main:

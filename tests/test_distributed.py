@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -368,3 +369,47 @@ def test_a_step_without_per_step_buffer_broadcast_equals_ddps_default(two_ranks)
             assert torch.allclose(g, default["grads"][name], rtol=1e-5, atol=1e-7), name
     # gradients were averaged over the ranks (each saw its own images): both ranks hold the same
     assert all(torch.equal(g, runs[1]["ours"]["grads"][n]) for n, g in runs[0]["ours"]["grads"].items())
+
+
+def _node(node_rank: int, endpoint: str, log: Path, *args) -> subprocess.Popen:
+    """One of two torchrun agents ("nodes" on this machine), one process each, meeting at a c10d rendezvous; its
+    output to `log` (a pipe read after the other agent could fill up and stall the job)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", YOLOV9_QAT_DIST_TIMEOUT_MIN="5")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank",
+           str(node_rank), "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", "qat-nodes",
+           str(CHECKOUT / "qat.py"), *map(str, args)]
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, cwd=CHECKOUT, text=True, stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def _two_nodes(logs: Path, *args) -> list[tuple[int, str]]:
+    """Both agents' exit codes and output."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    logs.mkdir(parents=True, exist_ok=True)
+    agents = [_node(k, endpoint, logs / f"node{k}.log", *args) for k in (0, 1)]
+    codes = [a.wait(timeout=900) for a in agents]
+    return [(rc, (logs / f"node{k}.log").read_text()) for k, rc in enumerate(codes)]
+
+
+def test_two_nodes_run_as_one_job_and_resume(gelan_t_weights, demo_data, tmp_path):
+    """`torchrun --nnodes 2` across machines, as two agents here (c10d rendezvous, gloo): global ranks 0 and 1, each
+    local rank 0, one job: one report and one set of checkpoints (rank 0's), written once; stopped, the job resumes
+    on two nodes again to the end, and on one process is refused with the command that fits."""
+    args = ["quantize", "--weights", gelan_t_weights, "--data", demo_data, *COMMON, "--batch-size", 2,
+            "--calib-batches", 1, "--calib-method", "max", "--epochs", 2, "--iters", 1, "--num-image", 4,
+            "--project", tmp_path, "--name", "run"]
+    ran = _two_nodes(tmp_path.parent / f"{tmp_path.name}-logs" / "run", *args)
+    assert [rc for rc, _ in ran] == [0, 0], ran[0][1][-3000:] + ran[1][1][-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["finished"] and report["world_size"] == 2 and [e["epoch"] for e in report["qat"]] == [1, 2]
+    assert sum(out.count("results saved to") for _, out in ran) == 1  # global rank 0 alone reports
+    report["finished"], report["qat"] = False, report["qat"][:1]  # as if stopped after the first epoch
+    (tmp_path / "run" / "report.json").write_text(json.dumps(report))
+    r = call_cli("qat.py", "quantize", "--resume", tmp_path / "run", "--device", "cpu")
+    assert r.returncode == 2 and "--nnodes M --nproc_per_node 2/M" in r.stderr
+    ran = _two_nodes(tmp_path.parent / f"{tmp_path.name}-logs" / "resume", "quantize", "--resume", tmp_path / "run",
+                     "--device", "cpu")
+    assert [rc for rc, _ in ran] == [0, 0], ran[0][1][-3000:] + ran[1][1][-3000:]
+    resumed = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert resumed["finished"] and [e["epoch"] for e in resumed["qat"]] == [1, 2] and resumed["world_size"] == 2
