@@ -24,9 +24,8 @@ from models.core.distributed import World
 AMAX_METHODS = ("max", "mse", "percentile", "entropy")
 PER_QUANTIZER = "per-quantizer"  # each quantizer's pick among the candidates below (models/quantization/ranges.py)
 # What `auto` measures: every method, and the percentile at the three values TensorRT users commonly take, then at
-# 99.5 and 99 for models whose few outlier channels (25-40x the 99.9th percentile of their tensor in the cardamage
-# segmenters) must be clipped harder: there 99.9 collapsed yolov9-c-seg's PTQ (select box mAP 0.39 -> 0.02) and
-# 99.5 kept it (0.35). Last, so that a tie keeps the earlier choice.
+# 99.5 and 99 for models whose few outlier channels must be clipped harder (the cardamage segmenters: 99.9 collapsed
+# yolov9-c-seg's PTQ, 99.5 kept it). Last, so that a tie keeps the earlier choice.
 HISTOGRAM_CANDIDATES: dict[str, tuple[str, float | None]] = {
     "max": ("max", None), "mse": ("mse", None), "entropy": ("entropy", None),
     "percentile-99.9": ("percentile", 99.9), "percentile-99.99": ("percentile", 99.99),
