@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -214,8 +215,22 @@ def run(**flags) -> dict:
     return {"eval": evaluate_checkpoint, "sensitive": sensitivity}[cmd](cfg, out)
 
 
+def shown_args(opt) -> dict:
+    """What a command runs with, for its first line: a resumed run's own settings (its report.json's configuration)
+    with what the new command line changes (RESUME_KEEPS), not the parser's defaults it does not use."""
+    flags = vars(opt)
+    report = Path(opt.resume) / "report.json" if opt.cmd == "quantize" and opt.resume else None
+    if report is None:
+        return flags
+    try:
+        config = json.loads(report.read_text())["config"]
+    except (OSError, ValueError, KeyError):  # resume() names what is wrong with the folder
+        return {"resume": opt.resume}
+    return {"resume": opt.resume, **config, **{k: flags[k] for k in RESUME_KEEPS}}
+
+
 def main(argv=None) -> int:
-    return cli_main("qat.py", parse_opt, run, argv)
+    return cli_main("qat.py", parse_opt, run, argv, shown_args)
 
 
 if __name__ == "__main__":

@@ -65,14 +65,15 @@ def write_json(path: str | Path, obj) -> Path:
     return atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2) + "\n"))
 
 
-def cli_main(prog: str, parse_opt: Callable, run: Callable, argv=None) -> int:
-    """parse_opt() -> print_args -> run(**vars(opt)); a user error is one line on stderr and exit code 2,
-    Ctrl-C one line and exit code 130. pytorch-quantization's absl logging is kept to errors."""
+def cli_main(prog: str, parse_opt: Callable, run: Callable, argv=None, shown: Callable[..., dict] = vars) -> int:
+    """parse_opt() -> print_args(shown(opt)) -> run(**vars(opt)); a user error is one line on stderr and exit code 2,
+    Ctrl-C one line and exit code 130. pytorch-quantization's absl logging is kept to errors. `shown`: the
+    arguments the run really takes, where they are not the parsed flags (a resumed run's own)."""
     from absl import logging as absl_logging
     from utils.general import LOGGER, print_args
     absl_logging.set_verbosity(absl_logging.ERROR)  # pytorch-quantization logs every quantizer state change
     opt = parse_opt(argv)
-    print_args(vars(opt))
+    print_args(shown(opt))
     try:
         run(**vars(opt))
     except (OSError, ValueError) as e:  # missing/unwritable files, bad values: the message names them
