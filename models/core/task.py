@@ -18,7 +18,7 @@ from utils.results import selection_score
 
 BOX_METRICS = ("ap", "ap50", "precision", "recall")
 MASK_METRICS = ("mask_ap", "mask_ap50", "mask_precision", "mask_recall")
-MASK_DOWNSAMPLE = 4  # training's ground-truth masks at the prototypes' resolution, as upstream segment/train.py has them
+MASK_DOWNSAMPLE = 4  # training's ground-truth masks at the prototypes' resolution, as segment/train.py has them
 PROTOTYPES = "output1"
 END_TO_END_MASKS = "det_masks"
 
