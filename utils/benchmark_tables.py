@@ -200,11 +200,20 @@ def model_table(e: dict, metric: str = "ap") -> str:
     return "\n".join(lines)
 
 
-def auto_select(e: dict, metric: str) -> dict:
+def auto_select(e: dict, metric: str) -> dict | None:
     """The select mAP of the candidate `auto` chose, per seed: its PTQ row where the entry measured that method,
-    else the score the run chose by (box mAP of a detector)."""
-    return spread([e["ptq"][r["auto"]["chosen"]][seed]["select"][metric] if r["auto"]["chosen"] in e["ptq"] else
-                   r["auto"]["candidates"][r["auto"]["chosen"]] for seed, r in e["qat"].items()])
+    else the score the run chose by where that score is `metric` (a detector's box mAP); None where neither is
+    (a segmenter's score mixes boxes and masks)."""
+    values = []
+    for seed, r in e["qat"].items():
+        chosen = r["auto"]["chosen"]
+        if chosen in e["ptq"]:
+            values.append(e["ptq"][chosen][seed]["select"][metric])
+        elif "mask" not in e["summary"]:
+            values.append(r["auto"]["candidates"][chosen])
+        else:
+            return None
+    return spread(values)
 
 
 def ort_ptq_line(e: dict, s: dict) -> str:
