@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The fine-tuning step's modes side by side on one host: one `qat.py quantize` run per seed and `--step` mode of
 one model and dataset, spread over the GPUs and all started together, so each mode sees the same machine. For each
-run: its plan, the select mAP50-95 after every epoch, the delivered stage with its select and val mAP50-95, the
-compiled step's first iteration, the epochs' training seconds and the wall time (start to finish, compile included).
+run: its plan, the select mAP50-95 after every epoch, the delivered stage with its select and val mAP50-95 (box and
+mask for a segmenter), the compiled step's first iteration, the epochs' training seconds and the wall time (start to
+finish, compile included).
 
     python scripts/benchmark_step.py --weights W.pt --data D.yaml --imgsz 416 --seeds 0 1 2 \
         --steps inductor eager --devices 0 1 --out results/fast-step/gelan-s-helmet-416.json -- --workers 4
@@ -72,7 +73,7 @@ def start(opt, seed: int, step: str, device: str) -> dict:
 
 
 def summary(run: dict) -> dict:
-    """One run's figures from its report.json."""
+    """One run's figures from its report.json; a segmenter's mask mAP50-95 beside each box figure (keys `mask_*`)."""
     out = {"seed": run["seed"], "step": run["step"], "gpu": run["device"], "rc": run["rc"],
            "wall_s": run["wall_s"], "report": str(run["folder"] / "report.json")}
     report_file = run["folder"] / "report.json"
@@ -81,12 +82,18 @@ def summary(run: dict) -> dict:
     r = json.loads(report_file.read_text())
     final, val = r.get("final") or {}, r.get("val", {})
     epochs = [e for e in r.get("qat", []) if e.get("stage") == "qat"]
-    return {**out, "plan": r.get("step", {}).get("plan"), "first_step_s": r.get("step", {}).get("first_step_s"),
-            "train_s": [e["train_s"] for e in epochs], "select_curve": [e["ap"] for e in epochs],
-            "origin": {"select": (r.get("origin") or {}).get("ap"), "val": val.get("origin", {}).get("ap")},
-            "ptq_select": r["ptq"]["ap"], "calibration": r["calibration"]["chosen"],
-            "delivered": {"stage": final.get("stage"), "epoch": final.get("epoch"), "select": final.get("ap"),
-                          "val": val.get("final", {}).get("ap")}}
+    out.update({"plan": r.get("step", {}).get("plan"), "first_step_s": r.get("step", {}).get("first_step_s"),
+                "train_s": [e["train_s"] for e in epochs], "calibration": r["calibration"]["chosen"]})
+    for metric, prefix in (("ap", ""), ("mask_ap", "mask_")):
+        if metric not in r["ptq"]:
+            continue
+        out.update({f"{prefix}select_curve": [e[metric] for e in epochs],
+                    f"{prefix}origin": {"select": (r.get("origin") or {}).get(metric),
+                                        "val": val.get("origin", {}).get(metric)},
+                    f"{prefix}ptq_select": r["ptq"][metric],
+                    f"{prefix}delivered": {"stage": final.get("stage"), "epoch": final.get("epoch"),
+                                           "select": final.get(metric), "val": val.get("final", {}).get(metric)}})
+    return out
 
 
 def by_step(runs: list[dict]) -> dict:
@@ -96,18 +103,20 @@ def by_step(runs: list[dict]) -> dict:
         done = [r for r in runs if r["step"] == step and "delivered" in r]
         if not done:
             continue
-        row = {}
-        for key, values in (("delivered_val", [r["delivered"]["val"] for r in done]),
-                            ("delivered_select", [r["delivered"]["select"] for r in done]),
-                            ("wall_s", [r["wall_s"] for r in done])):
-            row[key] = {"mean": round(statistics.mean(values), 4),
-                        "std": round(statistics.stdev(values), 4) if len(values) > 1 else None}
+        figures = {"wall_s": [r["wall_s"] for r in done]}
+        for prefix in ("", "mask_") if all("mask_delivered" in r for r in done) else ("",):
+            figures[f"{prefix}delivered_val"] = [r[f"{prefix}delivered"]["val"] for r in done]
+            figures[f"{prefix}delivered_select"] = [r[f"{prefix}delivered"]["select"] for r in done]
+        row = {key: {"mean": round(statistics.mean(values), 4),
+                     "std": round(statistics.stdev(values), 4) if len(values) > 1 else None}
+               for key, values in figures.items()}
         row["delivered_stages"] = [f"{r['delivered']['stage']} {r['delivered']['epoch']}" for r in done]
         out[step] = row
     return out
 
 
 def table(runs: list[dict]) -> str:
+    """A row per run; a segmenter's figures as box / mask mAP50-95."""
     head = ("| seed | --step | plan | first step s | train s (all epochs) | wall s | select after each epoch | PTQ select "
             "| delivered | select | val |\n|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
@@ -115,30 +124,40 @@ def table(runs: list[dict]) -> str:
         if "delivered" not in r:
             rows.append(f"| {r['seed']} | {r['step']} | failed (rc {r['rc']}) | | | {r['wall_s']} | | | | | |")
             continue
-        d = r["delivered"]
+        pairs = "mask_delivered" in r
+
+        def shown(box: float, mask: float | None) -> str:
+            return f"{box:.4f} / {mask:.4f}" if pairs else f"{box:.4f}"
+        curve = " ".join(shown(b, m) for b, m in zip(r["select_curve"], r.get("mask_select_curve", r["select_curve"])))
+        d, md = r["delivered"], r.get("mask_delivered", r["delivered"])
         rows.append(f"| {r['seed']} | {r['step']} | {r['plan']} | {r['first_step_s'] or '-'} | "
-                    f"{sum(r['train_s']):.0f} | {r['wall_s']:.0f} | {' '.join(f'{v:.4f}' for v in r['select_curve'])} "
-                    f"| {r['ptq_select']:.4f} | {d['stage']} {d['epoch']} | {d['select']:.4f} | {d['val']:.4f} |")
+                    f"{sum(r['train_s']):.0f} | {r['wall_s']:.0f} | {curve} "
+                    f"| {shown(r['ptq_select'], r.get('mask_ptq_select'))} | {d['stage']} {d['epoch']} "
+                    f"| {shown(d['select'], md['select'])} | {shown(d['val'], md['val'])} |")
     return "\n".join([head, *rows])
 
 
 def plot_curves(result: dict, path: Path) -> Path:
-    """The select mAP50-95 after each epoch, one line per run (colour: --step mode, style: seed), PTQ at epoch 0."""
+    """The select mAP50-95 after each epoch, one line per run (colour: --step mode, style: seed), PTQ at epoch 0; a
+    segmenter's masks in a second panel."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     runs = [r for r in result["runs"] if "select_curve" in r]
     colours = {step: f"C{i}" for i, step in enumerate(dict.fromkeys(r["step"] for r in runs))}
     seeds = list(dict.fromkeys(r["seed"] for r in runs))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in runs:
-        curve = [r["ptq_select"], *r["select_curve"]]
-        ax.plot(range(len(curve)), curve, color=colours[r["step"]], ls=("-", "--", ":", "-.")[seeds.index(r["seed"]) % 4],
-                marker=".", label=f"{r['step']}, seed {r['seed']}")
-    ax.set(xlabel="epoch (0: PTQ)", ylabel="select mAP50-95",
-           title=f"{Path(result['weights']).stem}, {result['imgsz']} px, {result['machine']['gpu'] or 'CPU'}")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=7)
+    panels = [("", "box")] + ([("mask_", "mask")] if runs and all("mask_select_curve" in r for r in runs) else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
+    for ax, (prefix, what) in zip(axes[0], panels):
+        for r in runs:
+            curve = [r[f"{prefix}ptq_select"], *r[f"{prefix}select_curve"]]
+            ax.plot(range(len(curve)), curve, color=colours[r["step"]],
+                    ls=("-", "--", ":", "-.")[seeds.index(r["seed"]) % 4], marker=".",
+                    label=f"{r['step']}, seed {r['seed']}")
+        ax.set(xlabel="epoch (0: PTQ)", ylabel=f"select {what} mAP50-95",
+               title=f"{Path(result['weights']).stem}, {result['imgsz']} px, {result['machine']['gpu'] or 'CPU'}")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     plt.close(fig)

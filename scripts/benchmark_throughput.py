@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         cfg = replace(RunConfig(weights="", data=opt.data, hyp=opt.hyp), imgsz=opt.imgsz, batch_size=opt.batch_size,
                       workers=opt.workers, cache=opt.cache)
         loader = train_loader(task, data, cfg, hyp, augment=True, world=world)
-        plan = plan_step(opt.step, device, task.has_masks, learn_amax=False)
+        plan = plan_step(opt.step, device, learn_amax=False)
         results = {"step_plan": plan.reason}
         if opt.loader_batches:
             results["loader_images_per_s"] = loader_images_per_s(loader, device, opt.loader_batches,

@@ -193,16 +193,18 @@ class NothingHeld:
         return self.runner(images)
 
 
-def tiny_gelan(nc: int) -> dict:
+def tiny_gelan(nc: int, segment: bool = False) -> dict:
     """A model yaml with every block type GELAN models quantize (Conv, RepNCSPELAN4 with its residual adds, ADown,
     AConv, SPPELAN with its max pools, Upsample, Concat, DDetect) at the fewest layers: for what costs per layer
-    (compiling: seconds a layer on a CPU; `qat.py sensitive`: an evaluation per tensor class)."""
+    (compiling: seconds a layer on a CPU; `qat.py sensitive`: an evaluation per tensor class). `segment`: with
+    gelan-c-seg's head instead (Segment: DDetect's maps, mask coefficients, a prototype branch that upsamples)."""
+    head = [[7, 4], 1, "Segment", ["nc", 8, 16]] if segment else [[7, 4], 1, "DDetect", ["nc"]]
     return {
         "nc": nc, "depth_multiple": 1.0, "width_multiple": 1.0, "anchors": 3,
         "backbone": [[-1, 1, "Conv", [16, 3, 2]], [-1, 1, "ADown", [32]], [-1, 1, "RepNCSPELAN4", [32, 32, 16, 1]],
                      [-1, 1, "AConv", [48]], [-1, 1, "SPPELAN", [48, 24]]],
         "head": [[-1, 1, "nn.Upsample", [None, 2, "nearest"]], [[-1, 2], 1, "Concat", [1]],
-                 [-1, 1, "RepNCSPELAN4", [32, 32, 16, 1]], [[7, 4], 1, "DDetect", ["nc"]]],
+                 [-1, 1, "RepNCSPELAN4", [32, 32, 16, 1]], head],
     }
 
 

@@ -71,9 +71,9 @@ def test_the_two_fake_quant_ops_give_the_same_int8_codes_and_gradients():
 def test_the_fine_tuning_step_is_eager_where_scales_are_not_held():
     """Model Optimizer's op computes its scale from amax at every call (a host read a compiled step cannot trace):
     its models fine-tune with the eager step, which says why."""
-    plan = plan_step("inductor", torch.device("cuda"), False, False, held_scales=False)
+    plan = plan_step("inductor", torch.device("cuda"), False, held_scales=False)
     assert not plan.compiled and "--backend modelopt" in plan.reason
-    assert plan_step("inductor", torch.device("cuda"), False, False).compiled
+    assert plan_step("inductor", torch.device("cuda"), False).compiled
 
 
 @pytest.fixture(scope="module")

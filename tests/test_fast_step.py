@@ -1,6 +1,5 @@
 """The compiled fine-tuning step (models/finetuning/fast_step.py) against the eager one, on real upstream GELAN blocks
-and real
-quantizers: the same loss, gradients, updated weights and quantized outputs; and where the fast step applies."""
+and real quantizers: the same loss, gradients, updated weights and quantized outputs; and where the fast step applies."""
 from __future__ import annotations
 
 import copy
@@ -17,26 +16,36 @@ from models.quantization.held_state import held
 from models.quantization.quantize import QuantRecipe, calibrate, copy_float, quantize_model
 
 NC = 3
-TINY_GELAN = tiny_gelan(NC)
 
 
-def _batches(n: int, size: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(n: int, size: int = 64) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(images, targets, overlap masks at 1/4 resolution) as upstream's segmentation loader gives them: 2 images,
+    2 boxes each, each mask pixel the 1-based index of the image's box covering it (the larger box drawn first)."""
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(n):
         boxes = torch.cat([torch.tensor([[0.0], [0.0], [1.0], [1.0]]), torch.randint(0, NC, (4, 1), generator=g).float(),
                            torch.rand(4, 2, generator=g) * 0.5 + 0.25, torch.rand(4, 2, generator=g) * 0.3 + 0.1], 1)
-        out.append((torch.rand(2, 3, size, size, generator=g), boxes))
+        masks = torch.zeros(2, size // 4, size // 4)
+        for image in range(2):
+            mine = boxes[boxes[:, 0] == image]
+            for index in (mine[:, 4] * mine[:, 5]).argsort(descending=True).tolist():
+                x0, y0, x1, y1 = ((mine[index, 2:4] - mine[index, 4:6] / 2).tolist()
+                                  + (mine[index, 2:4] + mine[index, 4:6] / 2).tolist())
+                masks[image, int(y0 * size / 4):int(y1 * size / 4), int(x0 * size / 4):int(x1 * size / 4)] = index + 1
+        out.append((torch.rand(2, 3, size, size, generator=g), boxes, masks))
     return out
 
 
 @pytest.fixture(scope="module")
 def tiny_ptq(tmp_path_factory):
-    from models.yolo import Model
-    cfg = tmp_path_factory.mktemp("tiny") / "tiny-gelan.yaml"
-    cfg.write_text(yaml.safe_dump(TINY_GELAN))
+    """A tiny segmenter, fused, quantized and calibrated, and its float teacher: the segmentation head computes the
+    detection head's maps as well (Segment runs Detect's forward), so one model covers both tasks' compiled steps."""
+    from models.yolo import SegmentationModel
+    cfg = tmp_path_factory.mktemp("tiny") / "tiny-gelan-seg.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_gelan(NC, segment=True)))
     torch.manual_seed(0)
-    model = Model(str(cfg), nc=NC).eval()
+    model = SegmentationModel(str(cfg), nc=NC).eval()
     model.fuse()
     teacher = copy_float(model)
     quantize_model(model)
@@ -58,9 +67,11 @@ def _train(model, teacher, plan: StepPlan, batches) -> tuple[list[float], dict, 
         student.train()
         teacher.train(teacher_mode(teacher, plan))
         with held(student, teacher):  # as FineTuner.epoch does
-            for i, (images, targets) in enumerate(batches):
-                losses.append(float(tuner.step(images, targets, None)["loss"]))
+            for i, (images, targets, masks) in enumerate(batches):
+                parts = tuner.step(images, targets, masks)
+                losses.append(float(parts["loss"]))
                 if i == 0:
+                    assert {"distill", "distill_mask", "det"} <= parts.keys()  # masks distilled; upstream's segment loss
                     grads = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
     return losses, grads, student.eval()
 
@@ -98,8 +109,9 @@ def test_compiled_step_gives_the_eager_steps_numbers(tiny_ptq):
     assert moved < 1e-2, moved
     with torch.no_grad():
         image = batches[0][0]
-        out_e, out_f = eager(image)[0], fast(image.contiguous(memory_format=torch.channels_last))[0]
-    assert _rel(out_f, out_e) < 1e-4
+        (out_e, (_, _, proto_e)), (out_f, (_, _, proto_f)) = eager(image), fast(image.contiguous(
+            memory_format=torch.channels_last))
+    assert _rel(out_f, out_e) < 1e-4 and _rel(proto_f, proto_e) < 1e-4  # boxes, scores, mask coefficients; prototypes
 
 
 def test_the_fast_step_where_it_applies():
@@ -107,19 +119,18 @@ def test_the_fast_step_where_it_applies():
     rule = AutoRule((("inductor", 5000), ("cudagraphs", 500)))
     for iterations, backend, mode in ((500, "cudagraphs", None), (4999, "cudagraphs", None),
                                       (5000, "inductor", "reduce-overhead"), (None, "inductor", "reduce-overhead")):
-        plan = plan_step("auto", cuda, segmentation=False, learn_amax=False, iterations=iterations, rule=rule)
+        plan = plan_step("auto", cuda, learn_amax=False, iterations=iterations, rule=rule)
         assert plan.compiled and (plan.backend, plan.mode) == (backend, mode), (iterations, plan)
-    for requested, device, seg, learn, iterations in (("eager", cuda, False, False, None), ("auto", cpu, False, False, None),
-                                                      ("auto", cuda, True, False, None), ("auto", cuda, False, True, None),
-                                                      ("auto", cuda, False, False, 499)):
-        plan = plan_step(requested, device, seg, learn, iterations, rule)
+    for requested, device, learn, iterations in (("eager", cuda, False, None), ("auto", cpu, False, None),
+                                                 ("auto", cuda, True, None), ("auto", cuda, False, 499)):
+        plan = plan_step(requested, device, learn, iterations, rule)
         assert not plan.compiled and plan.reason.startswith("eager (")
     assert "499 iterations planned" in plan.reason and plan.fused_optimizer  # too short to compile; the rest applies
-    forced = plan_step("inductor", cuda, False, False, iterations=1, rule=rule)  # asked for: compiled however short
+    forced = plan_step("inductor", cuda, False, iterations=1, rule=rule)  # asked for: compiled however short
     assert forced.compiled and (forced.backend, forced.mode) == ("inductor", "reduce-overhead")
-    assert not plan_step("eager", cuda, False, False).fused_optimizer  # --step eager: the step as it always was
+    assert not plan_step("eager", cuda, False).fused_optimizer  # --step eager: the step as it always was
     with pytest.raises(ValueError, match="--step"):
-        plan_step("fast", cuda, False, False)
+        plan_step("fast", cuda, False)
 
 
 def test_each_epoch_is_judged_on_the_weights_it_trained(demo_data320):

@@ -60,6 +60,28 @@ def test_quantize_reports_box_and_mask_metrics(seg_run):
     assert cal["candidates"][cal["chosen"]] == pytest.approx(report["ptq"]["ap"] + report["ptq"]["mask_ap"], abs=1e-5)
 
 
+def test_step_benchmark_shows_a_segmenters_masks(seg_run, tmp_path):
+    """scripts/benchmark_step.py on a segmenter's run (the one above, as the script finds it when its process ends):
+    the mask mAP after every epoch and delivered, beside the box figures, in the JSON, the table and a second panel
+    of curves."""
+    from conftest import CHECKOUT, load_script
+    save_dir, _ = seg_run
+    report = json.loads((save_dir / "report.json").read_text())
+    step = load_script(CHECKOUT / "scripts" / "benchmark_step.py", "benchmark_step")
+    run = step.summary({"seed": 0, "step": "auto", "device": "cpu", "rc": 0, "wall_s": 9.0, "folder": save_dir})
+    epochs = [e for e in report["qat"] if e.get("stage") == "qat"]
+    assert run["mask_select_curve"] == [e["mask_ap"] for e in epochs] and len(epochs) == 1
+    assert run["select_curve"] == [e["ap"] for e in epochs] and run["mask_ptq_select"] == report["ptq"]["mask_ap"]
+    assert run["mask_delivered"]["val"] == report["val"]["final"]["mask_ap"]
+    assert run["delivered"]["val"] == report["val"]["final"]["ap"]
+    result = {"runs": [run], "weights": "w.pt", "imgsz": SIZE, "machine": {"gpu": None}}
+    assert set(step.by_step([run])["auto"]) >= {"delivered_val", "mask_delivered_val", "wall_s"}
+    assert f"| {run['ptq_select']:.4f} / {run['mask_ptq_select']:.4f} |" in step.table([run])
+    png = step.plot_curves(result, tmp_path / "curves.png")
+    import cv2
+    assert cv2.imread(str(png)).shape[1] == 2 * 7 * 110  # two panels: boxes, masks
+
+
 def test_segmentation_head_is_quantized_under_the_sharing_rules(seg_run):
     from pytorch_quantization.nn import QuantConv2d
     from models.quantization.checkpoint import load_quantized_model

@@ -11,7 +11,8 @@ backward), and on a GPU the kernels are shorter than their launches: the GPU wai
   fraction of the compile time;
 - steps Adam with its fused kernel (models/finetuning/finetune.py `optimizer_for`).
 Between the compiled forward and backward, the loss runs eagerly: upstream's target assignment reads counts back to
-the host and changes shape with every batch. The compile costs its first step; `--step auto` compiles only where
+the host and changes shape with every batch (for a segmentation head, whose mask coefficients and prototypes are
+outputs of the compiled graph like its box and class maps, the masks' loss as well: it crops each instance). The compile costs its first step; `--step auto` compiles only where
 the planned iterations repay it (`AUTO`). Where the step is not compiled it runs eagerly, and the log says why once.
 The scales the compiled forward reads are held per epoch (models/quantization/held_state.py says what invalidates them).
 """
@@ -78,9 +79,9 @@ def _compiled_plan(backend: str, why: str) -> StepPlan:
                                       "fused Adam", backend, mode)
 
 
-def plan_step(requested: str, device: torch.device, segmentation: bool, learn_amax: bool,
-              iterations: int | None = None, rule: AutoRule = AUTO, held_scales: bool = True) -> StepPlan:
-    """The fast step where it applies: a CUDA device, a detection model, calibrated (not learned) ranges that the
+def plan_step(requested: str, device: torch.device, learn_amax: bool, iterations: int | None = None,
+              rule: AutoRule = AUTO, held_scales: bool = True) -> StepPlan:
+    """The fast step where it applies: a CUDA device, calibrated (not learned) ranges that the
     quantizers read as held scales (`held_scales`: models/quantization/held_state.py), and for `auto` enough planned
     iterations to repay a compile (`rule`; None: unknown, compiled)."""
     if requested not in STEP_MODES:
@@ -88,7 +89,6 @@ def plan_step(requested: str, device: torch.device, segmentation: bool, learn_am
     backend = rule.backend_for(iterations) if requested == "auto" else requested
     why_not = ("--step eager" if requested == "eager" else
                "not a CUDA device" if device.type != "cuda" else
-               "segmentation heads are not compiled yet" if segmentation else
                "--learn-amax changes the ranges every step" if learn_amax else
                "the quantizers compute their scales at every call (--backend modelopt)" if not held_scales else
                f"{iterations} iterations planned: a compile repays its first step from about {rule.min_iterations}"
