@@ -506,8 +506,8 @@ class FineTuneStage:
             learnable_amax_parameters(model)
         loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=True, world=world)
         iters = cfg.iters or math.ceil(len(loader.dataset) / cfg.batch_size)  # 0: one pass over the images
-        plan = plan_step(cfg.step, inputs.device, cfg.qat.learn_amax,
-                         iterations=(cfg.epochs - start) * iters, held_scales=holds_scales(model))
+        plan = plan_step(cfg.step, inputs.device, cfg.qat.learn_amax, iterations=(cfg.epochs - start) * iters,
+                         batch=cfg.batch_size // world.size, held_scales=holds_scales(model))
         if world.main:
             LOGGER.info(f"{PREFIX}fine-tuning step: {plan.reason}")
         to_layout(model, plan)

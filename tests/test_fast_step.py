@@ -115,18 +115,24 @@ def test_compiled_step_gives_the_eager_steps_numbers(tiny_ptq):
 
 
 def test_the_fast_step_where_it_applies():
+    """`auto` by what the run plans: inductor from enough images (its fused kernels save time per image), else
+    cudagraphs from enough iterations (its replays save launches per step), else eager."""
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    rule = AutoRule((("inductor", 5000), ("cudagraphs", 500)))
-    for iterations, backend, mode in ((500, "cudagraphs", None), (4999, "cudagraphs", None),
-                                      (5000, "inductor", "reduce-overhead"), (None, "inductor", "reduce-overhead")):
-        plan = plan_step("auto", cuda, learn_amax=False, iterations=iterations, rule=rule)
-        assert plan.compiled and (plan.backend, plan.mode) == (backend, mode), (iterations, plan)
+    rule = AutoRule(inductor_images=50_000, cudagraphs_iterations=500)
+    for iterations, batch, backend, mode in ((500, 10, "cudagraphs", None), (4999, 10, "cudagraphs", None),
+                                             (5000, 10, "inductor", "reduce-overhead"),
+                                             (2000, 32, "inductor", "reduce-overhead"),  # the issue-68 case
+                                             (1562, 32, "cudagraphs", None), (2000, None, "cudagraphs", None),
+                                             (None, 10, "inductor", "reduce-overhead")):
+        plan = plan_step("auto", cuda, learn_amax=False, iterations=iterations, batch=batch, rule=rule)
+        assert plan.compiled and (plan.backend, plan.mode) == (backend, mode), (iterations, batch, plan)
+    assert "2000 iterations of 32 images planned" in plan_step("auto", cuda, False, 2000, 32, rule).reason
     for requested, device, learn, iterations in (("eager", cuda, False, None), ("auto", cpu, False, None),
                                                  ("auto", cuda, True, None), ("auto", cuda, False, 499)):
-        plan = plan_step(requested, device, learn, iterations, rule)
+        plan = plan_step(requested, device, learn, iterations, 10, rule)
         assert not plan.compiled and plan.reason.startswith("eager (")
     assert "499 iterations planned" in plan.reason and plan.fused_optimizer  # too short to compile; the rest applies
-    forced = plan_step("inductor", cuda, False, iterations=1, rule=rule)  # asked for: compiled however short
+    forced = plan_step("inductor", cuda, False, iterations=1, batch=1, rule=rule)  # asked for: compiled however short
     assert forced.compiled and (forced.backend, forced.mode) == ("inductor", "reduce-overhead")
     assert not plan_step("eager", cuda, False).fused_optimizer  # --step eager: the step as it always was
     with pytest.raises(ValueError, match="--step"):

@@ -12,8 +12,9 @@ backward), and on a GPU the kernels are shorter than their launches: the GPU wai
 - steps Adam with its fused kernel (models/finetuning/finetune.py `optimizer_for`).
 Between the compiled forward and backward, the loss runs eagerly: upstream's target assignment reads counts back to
 the host and changes shape with every batch (for a segmentation head, whose mask coefficients and prototypes are
-outputs of the compiled graph like its box and class maps, the masks' loss as well: it crops each instance). The compile costs its first step; `--step auto` compiles only where
-the planned iterations repay it (`AUTO`). Where the step is not compiled it runs eagerly, and the log says why once.
+outputs of the compiled graph like its box and class maps, the masks' loss as well: it crops each instance). The
+compile costs its first step; `--step auto` compiles only where the planned iterations and images repay it
+(`AUTO`). Where the step is not compiled it runs eagerly, and the log says why once.
 The scales the compiled forward reads are held per epoch (models/quantization/held_state.py says what invalidates them).
 """
 from __future__ import annotations
@@ -48,29 +49,33 @@ EAGER = StepPlan(compiled=False, channels_last=False, fused_optimizer=False, rea
 
 @dataclass(frozen=True)
 class AutoRule:
-    """What `--step auto` compiles with: the first (backend, fewest planned iterations) tier the run reaches; below
-    the last tier it runs eagerly. A tier's threshold is where its compile has repaid itself against the next
-    cheaper choice: (first epoch's extra seconds) / (seconds saved per iteration)."""
+    """What `--step auto` compiles with, from what the run plans. The two compiled steps save time differently:
+    CUDA-graph replay saves the kernel launches of a step, the same whatever its batch; inductor's fused kernels save
+    memory traffic on every image, on top of that. So inductor where the planned images (iterations x this
+    process's batch) repay its longer compile against cudagraphs, else cudagraphs where the planned iterations repay
+    its compile against the eager step, else eager. A threshold is where a compile has repaid itself: (first
+    epoch's extra seconds) / (seconds saved per image, or per iteration)."""
 
-    tiers: tuple[tuple[str, int], ...]
+    inductor_images: int
+    cudagraphs_iterations: int
 
-    def backend_for(self, iterations: int | None) -> str | None:
-        """The backend for `iterations` planned iterations (None: unknown, the fastest step), or None (eager)."""
-        if iterations is None:
-            return self.tiers[0][0]
-        return next((backend for backend, least in self.tiers if iterations >= least), None)
-
-    @property
-    def min_iterations(self) -> int:
-        return self.tiers[-1][1]
+    def backend_for(self, iterations: int | None, batch: int | None = None) -> str | None:
+        """The backend for `iterations` planned iterations of `batch` images (None: unknown, the fastest step), or
+        None (eager)."""
+        if iterations is None or (batch is not None and iterations * batch >= self.inductor_images):
+            return "inductor"
+        return "cudagraphs" if iterations >= self.cudagraphs_iterations else None
 
 
 # Measured with scripts/benchmark_step.py (results/fast-step/, gelan-c on helmet, one H200 per run, batch 10, 200
 # iterations an epoch): the compile's extra first-epoch seconds and the steady epochs were, at 640 / 416 px,
 # inductor 156 / 158 s extra, 14.3 / 12.1 s an epoch; cudagraphs 49 / 44 s extra, 19.4 / 19.4 s; eager 31.5 / 30.3 s.
-# cudagraphs repays itself against eager after ~820 iterations at both sizes, inductor against cudagraphs after
-# ~3100-4200; the thresholds leave room for slower hosts (the compile runs on the CPU).
-AUTO = AutoRule((("inductor", 5000), ("cudagraphs", 1000)))
+# cudagraphs repays itself against eager after ~820 iterations at both sizes; inductor against cudagraphs after
+# 42,000 / 31,000 images (2.6 / 3.7 ms saved per image). At batch 32 (640 px, scripts/benchmark_throughput.py on an
+# H200: results/scaling/gelan-c.json, 202 img/s and a 124 s first step; cudagraphs 138 img/s in issue 68) inductor
+# saves 2.3 ms per image and repays ~90 s more compile after ~39,000 images: per image, as at batch 10. The
+# thresholds leave room for slower hosts (the compile runs on the CPU).
+AUTO = AutoRule(inductor_images=50_000, cudagraphs_iterations=1000)
 
 
 def _compiled_plan(backend: str, why: str) -> StepPlan:
@@ -80,23 +85,24 @@ def _compiled_plan(backend: str, why: str) -> StepPlan:
 
 
 def plan_step(requested: str, device: torch.device, learn_amax: bool, iterations: int | None = None,
-              rule: AutoRule = AUTO, held_scales: bool = True) -> StepPlan:
+              batch: int | None = None, rule: AutoRule = AUTO, held_scales: bool = True) -> StepPlan:
     """The fast step where it applies: a CUDA device, calibrated (not learned) ranges that the
     quantizers read as held scales (`held_scales`: models/quantization/held_state.py), and for `auto` enough planned
-    iterations to repay a compile (`rule`; None: unknown, compiled)."""
+    iterations of `batch` images (this process's) to repay a compile (`rule`; None: unknown, compiled)."""
     if requested not in STEP_MODES:
         raise ValueError(f"--step must be one of {STEP_MODES}, got {requested!r}")
-    backend = rule.backend_for(iterations) if requested == "auto" else requested
+    backend = rule.backend_for(iterations, batch) if requested == "auto" else requested
     why_not = ("--step eager" if requested == "eager" else
                "not a CUDA device" if device.type != "cuda" else
                "--learn-amax changes the ranges every step" if learn_amax else
                "the quantizers compute their scales at every call (--backend modelopt)" if not held_scales else
-               f"{iterations} iterations planned: a compile repays its first step from about {rule.min_iterations}"
-               if backend is None else "")
+               f"{iterations} iterations planned: a compile repays its first step from about "
+               f"{rule.cudagraphs_iterations}" if backend is None else "")
     if why_not:  # on a GPU, what needs no compiler still applies, unless the eager step was asked for
         gpu = device.type == "cuda" and requested != "eager"
         return StepPlan(False, gpu, gpu, f"eager ({why_not})" + (", channels-last, fused Adam" if gpu else ""))
-    planned = f"; {iterations} iterations planned" if requested == "auto" and iterations is not None else ""
+    planned = (f"; {iterations} iterations{'' if batch is None else f' of {batch} images'} planned"
+               if requested == "auto" and iterations is not None else "")
     return _compiled_plan(backend, planned)
 
 
