@@ -5,14 +5,16 @@
 
 The genuine repository (commit 5b1ea9a) breaks in four places on this stack; each edit below is the smallest
 change that fixes one, applied only where upstream's text is found (the PyPI rebuild already carries its own fixes,
-so nothing is edited there), and never twice:
+so only the font is edited there), and never twice:
 - `torch.load(...)` without `weights_only`: PyTorch 2.6 changed the default to True, and upstream's checkpoints
   are whole pickled models, so train.py --weights, --resume, val.py, detect.py and export.py fail. Each such call
   gets `weights_only=False`, which is what those scripts did before PyTorch 2.6: they unpickle fully, so load only
   checkpoints you trust. (This toolkit's own tools read checkpoints through an allow-list:
   models/quantization/checkpoint.py.)
-- `check_font` downloads Arial.ttf on first use and stops train.py/val.py when offline: a failed download now
-  warns and plots use PIL's default font.
+- `check_font` downloads Arial.ttf on first use (every first run tries the network) and stops train.py/val.py
+  when offline: Arial.ttf is now answered by a font installed already (matplotlib's DejaVu Sans, copied under
+  the name upstream looks for; it only draws plot labels), and a failed download of another font warns, plots
+  then using PIL's default font. The PyPI rebuild fetches the font too: it gets the first part of this edit.
 - Pillow 10 removed `FreeTypeFont.getsize`, used to size plot labels: `getbbox` gives the same width and height.
 - NumPy deprecated `np.trapz` in 2.0 and later releases drop it, so every mAP (val.py, and evaluation in this
   toolkit, which reuses upstream's `ap_per_class`) fails there: `np.trapezoid` where it exists.
@@ -43,6 +45,14 @@ class TextEdit:
 
 
 TEXT_EDITS = (
+    TextEdit("utils/general.py",
+             "        url = f'https://ultralytics.com/assets/{font.name}'\n",
+             "        installed = Path(__import__('matplotlib').get_data_path()) / 'fonts' / 'ttf' / 'DejaVuSans.ttf'\n"
+             "        if font.name == 'Arial.ttf' and installed.is_file():  # yolov9-qat: no download, offline too\n"
+             "            file.write_bytes(installed.read_bytes())\n"
+             "            return\n"
+             "        url = f'https://ultralytics.com/assets/{font.name}'\n",
+             "offline: Arial.ttf answered by a font installed already (matplotlib's DejaVu Sans), not downloaded"),
     TextEdit("utils/general.py",
              "        torch.hub.download_url_to_file(url, str(file), progress=progress)\n",
              "        try:  # yolov9-qat: offline, plots use PIL's default font\n"

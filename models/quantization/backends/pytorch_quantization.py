@@ -10,12 +10,16 @@ Its fake-quant op exports as QuantizeLinear/DequantizeLinear with int8 zero poin
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.nn as nn
-from pytorch_quantization import nn as quant_nn
-from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
-from pytorch_quantization.tensor_quant import QuantDescriptor
+
+with warnings.catch_warnings():  # its tensor_quant.py decorates with torch.jit.script, which recent PyTorch
+    warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", FutureWarning)  # deprecates: not ours
+    from pytorch_quantization import nn as quant_nn
+    from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
+    from pytorch_quantization.tensor_quant import QuantDescriptor
 
 from models.quantization.backends import Backend, Quantizer, convert_instance
 from models.quantization.calibration import HistogramCollector
