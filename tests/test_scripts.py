@@ -612,3 +612,24 @@ def test_float_training_converges_on_a_plateau_not_on_a_climb():
     opt = tf.parse_opt(["--data", "d.yaml", "--cfg", "c.yaml", "--name", "n", "--out", "o", "--nproc-per-node", "2",
                         "--device", "0,1", "--master-port", "29600"])
     assert tf.launcher(opt)[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29600"]
+
+
+def test_loader_profile_splits_an_images_time_into_upstreams_phases(demo_data, tmp_path):
+    """scripts/profile_loader.py on 8 demo images (mosaic, mixup, affine warp, HSV as hyp.scratch-high draws them):
+    each phase is found in the profile (resize is OpenCV's C function, the others upstream's), the
+    phases add up to the profiled total, and the cores and RAM follow from the measured ms and bytes per image."""
+    out = tmp_path / "profile.json"
+    r = run_cli("scripts/profile_loader.py", "--data", demo_data, "--imgsz", 128, "--images", 8, "--batch-size", 4,
+                "--step-images-per-s", 400, "--out", out)  # 128 px: the 160 px images are resized
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    p = result["profile"]
+    phases = p["phases_ms_per_image"]
+    for phase in ("decode (imread)", "resize to --imgsz (cv2.resize)", "affine warp (random_perspective)",
+                  "colour (augment_hsv)", "mosaic: tiles placed on one canvas", "collate"):
+        assert phases[phase] > 0, (phase, phases)
+    assert sum(phases.values()) == pytest.approx(p["profiled_ms_per_image"], abs=0.01 * len(phases))
+    assert result["cores_for_loader"]["400"] == round(400 * p["ms_per_image"] / 1000, 1)
+    assert result["cache_ram_gb"] == round(p["decoded_bytes_per_image"] * result["train_images"] / 1e9, 2)
+    assert p["decoded_bytes_per_image"] <= 128 * 128 * 3  # resized to --imgsz on its long side
+    assert "| decode (imread) |" in r.stdout
