@@ -87,7 +87,9 @@ def test_compiled_step_gives_the_eager_steps_numbers(tiny_ptq):
     the bounds leave room for a few such flips on other CPUs' kernels. Skipping the fake quantization in the
     compiled forward moves the gradients by 1.2e-3 (tried), ten times the bound. Adam's update is ~lr per weight
     whatever the gradient's size, so a weight whose gradient is ~0 can move differently: the updates (4.8e-4
-    relative here) get a looser bound."""
+    relative here) get a looser bound. So do the prototypes: this untrained model's are ~4e-5, so one flipped INT8
+    step of their input is a larger share of them (1.3e-4 relative with the suite's threads, 1.2e-3 with one thread
+    and AVX2 kernels); skipping that input's fake quantization in the compiled copy moves them by 7.8e-2 (tried)."""
     model, teacher = tiny_ptq
     batches = _batches(3)
     plan = StepPlan(compiled=True, channels_last=True, fused_optimizer=False, reason="test")
@@ -111,7 +113,8 @@ def test_compiled_step_gives_the_eager_steps_numbers(tiny_ptq):
         image = batches[0][0]
         (out_e, (_, _, proto_e)), (out_f, (_, _, proto_f)) = eager(image), fast(image.contiguous(
             memory_format=torch.channels_last))
-    assert _rel(out_f, out_e) < 1e-4 and _rel(proto_f, proto_e) < 1e-4  # boxes, scores, mask coefficients; prototypes
+    assert _rel(out_f, out_e) < 1e-4  # boxes, class scores, mask coefficients
+    assert _rel(proto_f, proto_e) < 1e-2  # prototypes
 
 
 def test_the_fast_step_where_it_applies():
