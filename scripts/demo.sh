@@ -18,7 +18,10 @@ DATA_FINGERPRINT="ed832d16951df0f0537073dfd11e7d57"  # train split the embedded 
 step() { printf '\n\033[1;34m== %s\033[0m\n' "$*"; }
 start=$(date +%s)
 
+INSTALL="skipped (--skip-install)"
 if [ "${1:-}" != "--skip-install" ]; then
+  INSTALL=$(python3 -c "import torch, pytorch_quantization, onnxruntime" 2>/dev/null \
+    && echo "the packages were installed already" || echo "fresh")
   step "install the pinned Python stack"
   "$HERE/install_dependencies.sh"
 fi
@@ -61,7 +64,7 @@ python3 val_trt.py --onnx-file "${QAT%.pt}.onnx" --data "$DATA" --imgsz "$IMGSZ"
   --project "$WORKDIR/runs/demo" --name ort --exist-ok
 
 step "results"
-RECORD="${RECORD:-0}" python3 - "$SOURCE" "$DATA" "$WORKDIR/runs/demo" "$(( $(date +%s) - start ))" "$HERE" <<'PY'
+RECORD="${RECORD:-0}" INSTALL="$INSTALL" python3 - "$SOURCE" "$DATA" "$WORKDIR/runs/demo" "$(( $(date +%s) - start ))" "$HERE" <<'PY'
 import datetime, json, os, sys
 from pathlib import Path
 model, data, runs, seconds, repo = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
@@ -91,7 +94,8 @@ if os.environ["RECORD"] == "1":
     where = f"{m['gpu'] or 'CPU'} ({m['cpu']}, {m['cpu_count']} cores)"
     path = write_json(repo / "results" / "demo" / "demo.json", {
         "table": "\n".join(rows), "where": where, "date": datetime.date.today().isoformat(),
-        "commit": toolkit_commit(repo), "minutes": round(seconds / 60, 1), "machine": m, "report": report,
+        "commit": toolkit_commit(repo), "minutes": round(seconds / 60, 1), "install": os.environ["INSTALL"],
+        "machine": m, "report": report,
         "export_parity": p, "onnxruntime": {k: ort[k] for k in ("ap", "ap50", "precision", "recall")},
         "data": f"the generated demo set, 100 val images at {c['imgsz']} px; {c['quant']['calib_batches']} calibration "
                 f"batches and {c['epochs']} x {c['iters']} QAT iterations of {c['batch_size']} images"})
