@@ -18,10 +18,10 @@ DATA_FINGERPRINT="ed832d16951df0f0537073dfd11e7d57"  # train split the embedded 
 step() { printf '\n\033[1;34m== %s\033[0m\n' "$*"; }
 start=$(date +%s)
 
-INSTALL="skipped (--skip-install)"
+INSTALL="install skipped"
 if [ "${1:-}" != "--skip-install" ]; then
   INSTALL=$(python3 -c "import torch, pytorch_quantization, onnxruntime" 2>/dev/null \
-    && echo "the packages were installed already" || echo "fresh")
+    && echo "the packages installed already" || echo "a fresh install")
   step "install the pinned Python stack"
   "$HERE/install_dependencies.sh"
 fi

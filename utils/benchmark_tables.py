@@ -407,7 +407,7 @@ def demo_table(out: Path) -> str:
     if not f.is_file():
         return "No demo run recorded yet."
     d = json.loads(f.read_text())
-    return (f"{d['table']}\n\n({d['where']}, commit {d['commit'][:10]}: {d['minutes']:.1f} min in all, install "
+    return (f"{d['table']}\n\n({d['where']}, commit {d['commit'][:10]}: {d['minutes']:.1f} min in all, "
             f"{d['install']}; "
             f"{d['data']}. A single run: the calibration method and the delivered stage were chosen on "
             f"{d['report']['select']['images']} held-out training images (the select rows), the other rows are "
