@@ -115,6 +115,11 @@ def by_step(runs: list[dict]) -> dict:
     return out
 
 
+def _shown(box: float, mask: float | None) -> str:
+    """A table cell: the box figure, and a segmenter's mask figure after it."""
+    return f"{box:.4f}" if mask is None else f"{box:.4f} / {mask:.4f}"
+
+
 def table(runs: list[dict]) -> str:
     """A row per run; a segmenter's figures as box / mask mAP50-95."""
     head = ("| seed | --step | plan | first step s | train s (all epochs) | wall s | select after each epoch | PTQ select "
@@ -124,16 +129,13 @@ def table(runs: list[dict]) -> str:
         if "delivered" not in r:
             rows.append(f"| {r['seed']} | {r['step']} | failed (rc {r['rc']}) | | | {r['wall_s']} | | | | | |")
             continue
-        pairs = "mask_delivered" in r
-
-        def shown(box: float, mask: float | None) -> str:
-            return f"{box:.4f} / {mask:.4f}" if pairs else f"{box:.4f}"
-        curve = " ".join(shown(b, m) for b, m in zip(r["select_curve"], r.get("mask_select_curve", r["select_curve"])))
-        d, md = r["delivered"], r.get("mask_delivered", r["delivered"])
+        d, md = r["delivered"], r.get("mask_delivered", {})
+        masks = r.get("mask_select_curve", [None] * len(r["select_curve"]))
+        curve = " ".join(_shown(box, mask) for box, mask in zip(r["select_curve"], masks))
         rows.append(f"| {r['seed']} | {r['step']} | {r['plan']} | {r['first_step_s'] or '-'} | "
                     f"{sum(r['train_s']):.0f} | {r['wall_s']:.0f} | {curve} "
-                    f"| {shown(r['ptq_select'], r.get('mask_ptq_select'))} | {d['stage']} {d['epoch']} "
-                    f"| {shown(d['select'], md['select'])} | {shown(d['val'], md['val'])} |")
+                    f"| {_shown(r['ptq_select'], r.get('mask_ptq_select'))} | {d['stage']} {d['epoch']} "
+                    f"| {_shown(d['select'], md.get('select'))} | {_shown(d['val'], md.get('val'))} |")
     return "\n".join([head, *rows])
 
 
