@@ -163,13 +163,15 @@ TRAINED_T = REPO / "assets" / "gelan-t-demo.pt"  # gelan-t trained on the demo d
 REDUCED_SIZE = 192
 
 
-def build_model(cfg: str, nc: int = 12, seed: int = 0):
-    """A real upstream model from its yaml, with BN running stats made non-trivial."""
+def build_model(cfg: str | dict, nc: int = 12, seed: int = 0):
+    """A real upstream model from its yaml (a name in the checkout's models/, or a yaml dict such as tiny_gelan's),
+    with BN running stats made non-trivial."""
     import torch
     from models.yolo import Model
     torch.manual_seed(seed)
-    task = "segment" if "seg" in cfg else "detect"
-    model = Model(str(CHECKOUT / "models" / task / f"{cfg}.yaml"), nc=nc)
+    if isinstance(cfg, str):
+        cfg = str(CHECKOUT / "models" / ("segment" if "seg" in cfg else "detect") / f"{cfg}.yaml")
+    model = Model(cfg, nc=nc)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):

@@ -5,7 +5,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import IMGSZ, build_model, call_cli, run_cli, save_float_checkpoint
+from conftest import IMGSZ, build_model, call_cli, run_cli, save_float_checkpoint, tiny_gelan
 
 from models.deployment.export import verify_parity
 from models.quantization.checkpoint import load_for_export, save_checkpoint
@@ -13,8 +13,9 @@ from models.quantization.quantize import QuantRecipe, calibrate, quantize_model
 from utils.onnx_utils import constant_values
 from utils.qdq_lint import lint, lint_file
 
-# the smallest and the flagship: the same block types at other widths and depths (gelan-s adds none of its own)
-MODELS = ["gelan-t", "gelan-c"]
+# upstream's smallest GELAN (AConv, ELAN1) and the tiny one with the flagship gelan-c's blocks (ADown; the rest at a
+# few channels): every block type the exporter meets, widths and depths add none (gelan-s and -c only repeat them)
+MODELS = ["gelan-t", "tiny-gelan"]
 
 
 def _calib_images(demo_data, n=2):
@@ -25,7 +26,7 @@ def _calib_images(demo_data, n=2):
 @pytest.fixture(scope="module", params=MODELS)
 def quantized_weights(request, demo_data, tmp_path_factory):
     cfg = request.param
-    model = build_model(cfg)
+    model = build_model(tiny_gelan(12) if cfg == "tiny-gelan" else cfg)
     model.fuse()
     quantize_model(model)
     calibrate(model, QuantRecipe(calib_method="percentile", percentile=99.99), _calib_images(demo_data))
@@ -51,7 +52,7 @@ def test_static_and_dynamic_qdq_export(quantized_weights):
     onnx.checker.check_model(proto)
     nodes = proto.graph.node
     ops = [n.op_type for n in nodes]
-    assert ops.count("QuantizeLinear") == ops.count("DequantizeLinear") == static["qdq_pairs"] > 100
+    assert ops.count("QuantizeLinear") == ops.count("DequantizeLinear") == static["qdq_pairs"] > 90
     assert "Cast" not in ops  # nothing between Q/DQ and the ops TensorRT fuses them into
     assert [i.name for i in proto.graph.input] == ["images"] and static["outputs"] == ["output0"]
     out_shape = [d.dim_value for d in proto.graph.output[0].type.tensor_type.shape.dim]
@@ -65,12 +66,12 @@ def test_static_and_dynamic_qdq_export(quantized_weights):
                 weight_q += 1
                 assert {a.name: a.i for a in n.attribute}.get("axis", 1) == 0
                 assert values[n.input[1]].shape == (values[n.input[0]].shape[0],)
-    assert weight_q > 50
+    assert weight_q > 40
     report = lint(proto)
     assert report.quantized_convs == weight_q
     assert report.unshared_joins == [] and report.unquantized_convs == [] and report.dangling_quantize == []
     assert report.float_by_design and all("/dfl/" in n for n in report.float_by_design)
-    print(cfg, "Q/DQ pairs", static["qdq_pairs"], "export s", static["export_s"])
+    print(cfg, "Q/DQ pairs", static["qdq_pairs"], "weights", weight_q, "export s", static["export_s"])
 
     dynamic = _export(weights, dynamic=True, simplify_=True)
     proto = onnx.load(dynamic["onnx"])
