@@ -227,13 +227,13 @@ def test_two_process_calibration_equals_one_process(gelan_t_weights, demo_data, 
     assert all(torch.equal(one["max"][n], two["max"][n]) for n in names if n not in acts)  # weights: per channel
 
 
-def test_two_process_run_with_modelopt_calibrates_as_one_process(demo_data, tmp_path):
+def test_two_process_run_with_modelopt_calibrates_as_one_process(tiny_gelan_weights, demo_data, tmp_path):
     """`--backend modelopt` under torchrun: Model Optimizer's quantizers collect into this project's histograms,
     combined across ranks as the default backend's are. `max` ranges from 2 ranks (2 images each) equal one process's
     (batches of 4) up to the last bits a batch-size-dependent convolution kernel changes (relative 1e-5: a float32
-    ulp is 6e-8); weights bit for bit; a QAT epoch under DDP; the delivered model holds Model Optimizer's quantizers."""
-    from conftest import TRAINED_T
-    common = ["quantize", "--backend", "modelopt", "--weights", TRAINED_T, "--data", demo_data, *COMMON,
+    ulp is 6e-8); weights bit for bit; a QAT epoch under DDP; the delivered model holds Model Optimizer's quantizers.
+    A mechanism, not an accuracy: the tiny GELAN (every block type the quantizers meet)."""
+    common = ["quantize", "--backend", "modelopt", "--weights", tiny_gelan_weights, "--data", demo_data, *COMMON,
               "--batch-size", 4, "--calib-batches", 2, "--calib-method", "max", "--epochs", 1, "--iters", 2,
               "--no-eval-origin", "--project", tmp_path]
     r = _torchrun(*common, "--name", "two")
@@ -245,7 +245,7 @@ def test_two_process_run_with_modelopt_calibrates_as_one_process(demo_data, tmp_
     assert reports["two"]["calibration_images"] == reports["one"]["calibration_images"]
     assert [e["epoch"] for e in reports["two"]["qat"]] == [1]
     one, two = (_amax(reports[k]["ptq_file"]) for k in ("one", "two"))
-    assert one.keys() == two.keys() and len(one) > 100
+    assert one.keys() == two.keys() and len(one) > 80
     acts = [n for n in one if one[n].numel() == 1]
     rel = max(float(((two[n] - one[n]) / one[n]).abs()) for n in acts)
     print(f"max ranges, 2 processes vs 1: largest relative difference {rel:.1e} over {len(acts)} activations")
@@ -391,11 +391,11 @@ def _two_nodes(logs: Path, *args) -> list[tuple[int, str]]:
     return [(rc, (logs / f"node{k}.log").read_text()) for k, rc in enumerate(codes)]
 
 
-def test_two_nodes_run_as_one_job_and_resume(gelan_t_weights, demo_data, tmp_path):
+def test_two_nodes_run_as_one_job_and_resume(tiny_gelan_weights, demo_data, tmp_path):
     """`torchrun --nnodes 2` across machines, as two agents here (c10d rendezvous, gloo): global ranks 0 and 1, each
     local rank 0, one job: one report and one set of checkpoints (rank 0's), written once; stopped, the job resumes
     on two nodes again to the end, and on one process is refused with the command that fits."""
-    args = ["quantize", "--weights", gelan_t_weights, "--data", demo_data, *COMMON, "--batch-size", 2,
+    args = ["quantize", "--weights", tiny_gelan_weights, "--data", demo_data, *COMMON, "--batch-size", 2,
             "--calib-batches", 1, "--calib-method", "max", "--epochs", 2, "--iters", 1, "--num-image", 4,
             "--project", tmp_path, "--name", "run"]
     ran = _two_nodes(tmp_path.parent / f"{tmp_path.name}-logs" / "run", *args)

@@ -287,14 +287,14 @@ def test_masks_are_scored_whole_where_instances_nest(checkout, tmp_path):
     assert (overlap == 1).sum() < (overlap >= 1).sum()  # the small instance took its area out of the large one
 
 
-def _coco128_seg(tmp_path: Path, val: int = 28) -> Path:
-    """shared/datasets/coco128-seg-416 as a yaml of absolute paths whose last `val` images are val and the rest train
-    (it ships train = val, which a select split refuses)."""
+def _coco128_seg(tmp_path: Path, val: int = 28, train: int | None = None) -> Path:
+    """shared/datasets/coco128-seg-416 as a yaml of absolute paths whose last `val` images are val and the first
+    `train` (default: the rest) train (it ships train = val, which a select split refuses)."""
     import yaml
     src = SHARED / "datasets" / "coco128-seg-416"
     data = yaml.safe_load((src / "data.yaml").read_text())
     images = sorted(p for p in (src / data["train"]).iterdir() if p.suffix in (".jpg", ".png", ".webp"))
-    for split, files in (("train", images[:-val]), ("val", images[-val:])):
+    for split, files in (("train", images[:-val][:train]), ("val", images[-val:])):
         (tmp_path / f"{split}.txt").write_text("".join(f"{f}\n" for f in files))
         data[split] = str(tmp_path / f"{split}.txt")
     data["path"] = str(src)
@@ -334,13 +334,14 @@ def test_float_training_records_a_segmenter_from_upstreams_segment_train(checkou
 
 @needs_coco128_seg
 def test_benchmark_entry_of_a_segmenter_is_written_resumed_and_rendered(checkout, tmp_path):
-    """scripts/benchmark_accuracy.py on a segmenter (gelan-t-seg, COCO128 photographs with polygons at 128 px; random
-    weights: no COCO model exists offline, so this checks the path, not accuracy): every measured stage carries box
-    and mask metrics, the summary has the masks' own, the delivered graph and the PTQ graphs rebuilt from the kept
-    ranges (FP32 and FP16, plain and end to end) have ONNX Runtime rows of both, lint clean; a second run reruns
-    nothing; the tables render boxes and masks and pass --check."""
+    """scripts/benchmark_accuracy.py on a segmenter (gelan-t-seg, 24 COCO128 photographs with polygons at 128 px, 16
+    train (8 fit, 8 select) and 8 val; random weights: no COCO model exists offline, so this checks the path, not
+    accuracy, and each of its dozen evaluations needs only a few images with instances): every measured stage
+    carries box and mask metrics, the summary has the masks' own, the delivered graph and the PTQ graphs rebuilt
+    from the kept ranges (FP32 and FP16, plain and end to end) have ONNX Runtime rows of both, lint clean; a second
+    run reruns nothing; the tables render boxes and masks and pass --check."""
     from models.yolo import SegmentationModel
-    data = _coco128_seg(tmp_path)
+    data = _coco128_seg(tmp_path, val=8, train=16)
     torch.manual_seed(0)
     model = SegmentationModel(str(REPO / "assets" / "gelan-t-seg.yaml"), nc=80).eval()
     weights = save_float_checkpoint(model, tmp_path / "gelan-t-seg.pt")
