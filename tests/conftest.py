@@ -15,6 +15,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
+from python_launcher import SOCKET_VAR
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("YOLOV9_QAT_TEST_CACHE", REPO / "tests" / ".cache"))
@@ -270,15 +271,20 @@ class PreloadedPython:
     """tests/preloaded_python.py, started once per environment in this worker: each run a fresh process forked from a
     Python that has imported torch and the checkout (~12 s a start saved, of ~100 starts in the suite)."""
 
-    def __init__(self, env: dict, cwd: Path):
-        self.server = subprocess.Popen([sys.executable, str(REPO / "tests" / "preloaded_python.py")], cwd=cwd,
-                                       env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, env: dict, cwd: Path, libraries_only: bool = False):
+        cmd = [sys.executable, str(REPO / "tests" / "preloaded_python.py"), *(["--libraries"] if libraries_only else [])]
+        self.server = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.pending = b""  # what was read of the server's answers past the last whole line
         self.running: Started | None = None
-        self._answer("ready")
+        ready = self._line()
+        self.launcher, self.socket = ready["launcher"], ready["socket"]  # for preloaded_torchrun
 
     def _answer(self, key: str, timeout: float | None = None):
         """The server's next line's `key`, or None if no line came within `timeout` seconds."""
+        line = self._line(timeout)
+        return None if line is None else line[key]
+
+    def _line(self, timeout: float | None = None) -> dict | None:
         import select
         fd = self.server.stdout.fileno()
         while b"\n" not in self.pending:
@@ -289,7 +295,7 @@ class PreloadedPython:
                 raise RuntimeError(f"preloaded_python ended (rc {self.server.wait()})")
             self.pending += chunk
         line, self.pending = self.pending.split(b"\n", 1)
-        return json.loads(line)[key]
+        return json.loads(line)
 
     def start(self, cmd: list[str], cwd: Path, interruptible: bool = False) -> Started:
         """`cmd` started in a fork, not waited for. The server answers in the order its children end: one at a time."""
@@ -315,18 +321,31 @@ class PreloadedPython:
 
 
 _PRELOADED: dict[tuple, PreloadedPython] = {}  # this worker's servers by environment, the latest last
-KEEP_SERVERS = 2  # the session's environment and one test's own (~0.9 GB each)
+KEEP_SERVERS = 3  # the session's environment, one test's own and a torchrun test's (~0.9 GB each)
 
 
-def _server(env: dict, cwd: Path) -> PreloadedPython:
-    # pytest names the running test in the environment: kept out, or every test would start its own server
-    env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
-    key = tuple(sorted(env.items()))
+def _server(env: dict, cwd: Path, libraries_only: bool = False) -> PreloadedPython:
+    env = _served(env)
+    key = (libraries_only, *sorted(env.items()))
     if key not in _PRELOADED:
         while len(_PRELOADED) >= KEEP_SERVERS:
             _PRELOADED.pop(next(iter(_PRELOADED))).close()
-        _PRELOADED[key] = PreloadedPython(env, cwd)
+        _PRELOADED[key] = PreloadedPython(env, cwd, libraries_only)
     return _PRELOADED[key]
+
+
+def _served(env: dict) -> dict:
+    # pytest names the running test in the environment: kept out, or every test would start its own server
+    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+def preloaded_torchrun(env: dict) -> tuple[list[str], dict]:
+    """`python -m torch.distributed.run` (torchrun) and the environment to run it with, `env` plus what forks it and
+    its ranks from a preloaded Python that imported only the libraries (tests/preloaded_python.py --libraries: ~6 s
+    saved per rank, its imports and interpreter teardown). Start it with subprocess, as many at once as needed."""
+    server = _server(env, CHECKOUT, libraries_only=True)
+    ranks_env = {**_served(env), SOCKET_VAR: server.socket, "PYTHON_EXEC": server.launcher}
+    return [server.launcher, "-m", "torch.distributed.run"], ranks_env
 
 
 def run_preloaded(cmd: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:

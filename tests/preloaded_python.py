@@ -16,20 +16,25 @@ Two ways in:
   answers {"pid"} once the child runs and {"returncode"} when it ends (negative: killed by that signal, as
   subprocess reports it).
 - the scripts' own child processes: in a child, `sys.executable` is a launcher (tests/python_launcher.py) under
-  the real interpreter's name, so what a script starts with sys.executable (the benchmark's steps) is forked here
-  too. The launcher hands over its argv, working directory, umask, environment, SIGINT disposition and standard
-  streams on a Unix socket, forwards signals and exits with the child's status. What a fork cannot be (options
-  before the script such as -c or -m, another environment) it runs with the real interpreter instead.
+  the real interpreter's name, so what a script starts with sys.executable (the benchmark's steps, `-m` ones
+  included) is forked here too. The launcher hands over its argv, working directory, umask, environment, SIGINT
+  disposition and standard streams on a Unix socket, forwards signals and exits with the child's status. What a
+  fork cannot be (other interpreter options such as -c, another environment) it runs with the real interpreter.
 
-Invalidation: a server serves one environment (its start environment, less PYTEST_CURRENT_TEST) and the code of the
-modules it preloaded at its start; the client (conftest.run_preloaded) starts a new one when the environment
-differs, and none outlives a test session, in which the checkout is not edited.
+Two kinds of server: the default preloads the checkout too (PRELOAD); `--libraries` preloads only LIBRARIES, none of
+which reads torchrun's per-rank variables at import (upstream's utils do: their RANK and LOCAL_RANK constants),
+so its forks can be torchrun's agent and ranks (conftest.preloaded_torchrun).
+
+Invalidation: a server serves one environment (its start environment, less PYTEST_CURRENT_TEST; a `--libraries`
+server also any that differs from it only in RANK_VARIABLES, which its forks take over) and the code of the modules
+it preloaded at its start; the client (conftest) starts a new one when the environment differs, and none outlives a
+test session, in which the checkout is not edited.
 """
 from __future__ import annotations
 
 import array
 import contextlib
-import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -40,30 +45,84 @@ import sys
 import tempfile
 import threading
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from python_launcher import SOCKET_VAR  # where a child's launcher finds this server (tests/ is this script's folder)
 
 # What every CLI of the overlay imports first (the script's own imports then find them loaded).
-PRELOAD = ("torch", "torchvision", "onnx", "utils.general", "models.yolo", "models.deployment.evaluate",
-           "models.finetuning.finetune", "models.quantization.quantize")
+LIBRARIES = ("torch", "torchvision", "onnx")
+PRELOAD = (*LIBRARIES, "utils.general", "models.yolo", "models.deployment.evaluate", "models.finetuning.finetune",
+           "models.quantization.quantize")
+# What torchrun sets for each agent and rank (torch.distributed.elastic's worker environment, PYTHON_EXEC its rank
+# interpreter), beside the TORCHELASTIC_ ones.
+RANK_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+                            "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                            "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHON_EXEC"})
 REAL_PYTHON = sys.executable
 
 
+def is_rank_variable(name: str) -> bool:
+    return name in RANK_VARIABLES or name.startswith("TORCHELASTIC_")
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a server's forks can be: its environment after its imports, what those imports added to it (a fresh
+    interpreter's imports add the same where the variable is unset: torch's inductor cache folder), and whether
+    it preloaded LIBRARIES only."""
+    env: dict
+    added: dict
+    libraries_only: bool
+
+    def environment_for(self, env: dict) -> dict | None:
+        """The environment a fresh interpreter started with `env` has after the preloaded imports, if a fork of
+        this server is that interpreter; None if not."""
+        if not self.libraries_only:
+            return env if env == self.env else None
+        env = {**self.added, **env}
+        keys = env.keys() | self.env.keys()
+        return env if all(env.get(k) == self.env.get(k) for k in keys if not is_rank_variable(k)) else None
+
+
+def _main_file(request: dict) -> str:
+    """The file that runs as __main__: the script, or the module (a package's __main__) as `python -m` finds it."""
+    if "module" not in request:
+        return os.path.abspath(request["script"])  # the interpreter's __main__.__file__, absolute since Python 3.9
+    spec = importlib.util.find_spec(request["module"])
+    if spec is not None and spec.submodule_search_locations is not None:
+        spec = importlib.util.find_spec(request["module"] + ".__main__")
+    if spec is None or spec.origin is None:
+        raise SystemExit(f"{REAL_PYTHON}: No module named {request['module']}")
+    return spec.origin
+
+
 def _child(request: dict) -> int:
-    """Runs one script as `python script args` would, in this freshly forked process (its standard streams already
-    in place); its exit code."""
+    """Runs one script as `python [-u] script args` (or `-m module`) would, in this freshly forked process (its
+    standard streams already in place); its exit code."""
     import random
     import numpy as np
     os.umask(request["umask"])
     os.chdir(request["cwd"])
+    if "env" in request:  # a launcher's: the server's but for what Served.environment_for lets differ
+        os.environ.clear()
+        os.environ.update(request["env"])
+    if request.get("unbuffered"):
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(write_through=True)
     random.seed()
     np.random.seed()
-    sys.argv = [request["script"], *request["args"]]
-    script = os.path.abspath(request["script"])  # the interpreter's __main__.__file__, absolute since Python 3.9
-    sys.path[0] = os.path.dirname(script)  # as the interpreter puts a script's folder first
+    script = None
     try:
-        runpy.run_path(script, run_name="__main__")
+        if "module" in request:  # found, as the interpreter finds it, from the working directory first
+            sys.path[0] = os.getcwd()
+        script = _main_file(request)
+        sys.argv = [script, *request["args"]]
+        if "module" in request:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(script)  # as the interpreter puts a script's folder first
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
@@ -127,7 +186,7 @@ def _from_file(request: dict) -> int:
     return _start(request, [null, *outs], sigint)
 
 
-def _supervise(conn: socket.socket, served_env: dict) -> None:
+def _supervise(conn: socket.socket, served: Served) -> None:
     """In a fork of the server: one launcher's request. The script's child is forked from here; its status goes
     back on `conn`. A launcher that goes away (killed) takes the child with it, as a process's death takes itself."""
     msg, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_LEN(3 * array.array("i").itemsize))
@@ -141,7 +200,8 @@ def _supervise(conn: socket.socket, served_env: dict) -> None:
             os._exit(0)
         msg += chunk
     request = json.loads(msg)
-    if request["env"] != served_env or len(fds) != 3:
+    request["env"] = served.environment_for(request["env"])
+    if request["env"] is None or len(fds) != 3:
         conn.sendall(b'{"fallback": true}\n')
         os._exit(0)
     sigint = signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler
@@ -175,8 +235,9 @@ def _launcher(folder: Path) -> Path:
     return path
 
 
-def serve() -> None:
-    for name in PRELOAD:
+def serve(libraries_only: bool) -> None:
+    before = dict(os.environ)
+    for name in LIBRARIES if libraries_only else PRELOAD:
         importlib.import_module(name)
     # a fork copies only the calling thread: a lock another Python thread held would never be released in the
     # child. (`import torch` leaves one idle native thread, as in every process that forks DataLoader workers.)
@@ -187,9 +248,10 @@ def serve() -> None:
     listener.bind(str(folder / "socket"))
     listener.listen()
     os.environ[SOCKET_VAR] = str(folder / "socket")
-    served_env = dict(os.environ)
+    served = Served(dict(os.environ), {k: v for k, v in os.environ.items() if k not in before and k != SOCKET_VAR},
+                    libraries_only)
     sys.executable = str(_launcher(folder))  # what the children start their own children with
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True, "launcher": sys.executable, "socket": os.environ[SOCKET_VAR]}), flush=True)
     waiting, supervisors = set(), set()  # the test process's children (answered when they end); launchers'
     try:
         while True:
@@ -213,7 +275,7 @@ def serve() -> None:
                 if pid == 0:  # never returns (as above)
                     try:
                         listener.close()
-                        _supervise(conn, served_env)
+                        _supervise(conn, served)
                     finally:
                         os._exit(0)
                 supervisors.add(pid)
@@ -226,4 +288,4 @@ def serve() -> None:
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1:] == ["--libraries"])

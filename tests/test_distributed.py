@@ -6,13 +6,12 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import CHECKOUT, IMGSZ, call_cli, run_preloaded
+from conftest import CHECKOUT, IMGSZ, call_cli, preloaded_torchrun, run_preloaded
 
 from models.quantization.calibration import HistogramCollector
 from models.quantization.checkpoint import load_quantized_model
@@ -127,10 +126,17 @@ def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data
         assert not set(loaded[0][2 * k:2 * k + 2]) & set(loaded[1][2 * k:2 * k + 2])
 
 
+def _torchrun_env() -> tuple[list[str], dict]:
+    """torchrun, its agent and ranks forked from a preloaded Python (conftest.preloaded_torchrun), and their
+    environment."""
+    return preloaded_torchrun(dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                                   YOLOV9_QAT_DIST_TIMEOUT_MIN="5"))
+
+
 def _torchrun(*args, cwd=CHECKOUT, timeout=900):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", YOLOV9_QAT_DIST_TIMEOUT_MIN="5")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), str(CHECKOUT / "qat.py"), *map(str, args)]
+    torchrun, env = _torchrun_env()
+    cmd = [*torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()), str(CHECKOUT / "qat.py"),
+           *map(str, args)]
     return subprocess.run(cmd, cwd=cwd, text=True, capture_output=True, env=env, timeout=timeout)
 
 
@@ -374,10 +380,9 @@ def test_a_step_without_per_step_buffer_broadcast_equals_ddps_default(two_ranks)
 def _node(node_rank: int, endpoint: str, log: Path, *args) -> subprocess.Popen:
     """One of two torchrun agents ("nodes" on this machine), one process each, meeting at a c10d rendezvous; its
     output to `log` (a pipe read after the other agent could fill up and stall the job)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", YOLOV9_QAT_DIST_TIMEOUT_MIN="5")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank",
-           str(node_rank), "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", "qat-nodes",
-           str(CHECKOUT / "qat.py"), *map(str, args)]
+    torchrun, env = _torchrun_env()
+    cmd = [*torchrun, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(node_rank), "--rdzv_backend",
+           "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", "qat-nodes", str(CHECKOUT / "qat.py"), *map(str, args)]
     with open(log, "w") as f:
         return subprocess.Popen(cmd, cwd=CHECKOUT, text=True, stdout=f, stderr=subprocess.STDOUT, env=env)
 

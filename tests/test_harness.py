@@ -6,15 +6,17 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import CHECKOUT, run_preloaded
-from preloaded_python import launcher_gone
+from conftest import CHECKOUT, preloaded_torchrun, run_preloaded
+from preloaded_python import LIBRARIES, is_rank_variable, launcher_gone
 
 INNER = r'''
 import os, sys
 open("made-inner.txt", "w").close()
-print("inner argv", sys.argv[1:], "cwd", os.getcwd(), "umask", oct(os.stat("made-inner.txt").st_mode & 0o777))
+print("inner argv", os.path.basename(sys.argv[0]), sys.argv[1:], "cwd", os.getcwd(), "umask", oct(os.stat("made-inner.txt").st_mode & 0o777),
+      "path0", sys.path[0], "main", __name__, "file", globals().get("__file__"))
 sys.exit(5)
 '''
 # Each case: what the script does, observed through its output files, its exit code and what it printed.
@@ -37,10 +39,11 @@ if case == "thread":  # a non-daemon thread outlives the main one: the process w
 if case == "umask":
     open("made.txt", "w").close()
     print(oct(os.stat("made.txt").st_mode & 0o777))
-if case in ("child", "child -c"):  # a process of its own, started as the benchmark starts its steps
-    import subprocess
+if case.startswith("child") and case != "child interrupted":  # a process of its own, as the benchmark's steps
+    import subprocess                                             # and torchrun's ranks are started
     open("inner.py", "w").write(INNER)
-    cmd = [sys.executable, "inner.py", "x"] if case == "child" else [sys.executable, "-c", INNER, "x"]
+    options = {"child": [], "child -c": ["-c", INNER], "child -m": ["-m", "inner"], "child -u": ["-u"]}[case]
+    cmd = [sys.executable, *options, *(["inner.py"] if case in ("child", "child -u") else []), "x"]
     with open("inner.txt", "w") as out:
         r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
     print("inner exit", r.returncode, os.path.basename(sys.executable))
@@ -55,8 +58,8 @@ if case == "child interrupted":  # Ctrl-C reaches it through the process that st
         p.send_signal(signal.SIGINT)
         print("inner exit", p.wait())
 '''
-CASES = ("exit", "message", "raise", "atexit", "thread", "umask", "plain", "child", "child -c",
-         "child interrupted")
+CASES = ("exit", "message", "raise", "atexit", "thread", "umask", "plain", "child", "child -c", "child -m",
+         "child -u", "child interrupted")
 
 
 def _observed(r: subprocess.CompletedProcess, cwd) -> tuple:
@@ -126,6 +129,58 @@ for _ in range(100):
 ''')
     r = run_preloaded([str(script)], tmp_path, dict(os.environ, PYTHONUNBUFFERED="1"), 60)
     assert (r.returncode, r.stdout) == (0, "preloaded True\ngone\n"), r.stderr
+
+
+def test_torchruns_agent_and_ranks_are_forks_of_a_server_that_imported_only_libraries(tmp_path):
+    """conftest.preloaded_torchrun: the agent (`-m torch.distributed.run`) and its ranks (`-u script`, torchrun's
+    per-rank variables in their environment) are forks of a --libraries server (torch imported before the script
+    ran, upstream's utils not), each rank with its own RANK. A server that preloaded the checkout starts such a rank
+    with the real interpreter: upstream's utils read RANK at import."""
+    rank = tmp_path / "rank.py"
+    rank.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'torch' in sys.modules, "
+                    "'utils.general' in sys.modules, flush=True)\n")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun, ranks_env = preloaded_torchrun(env)
+    r = subprocess.run([*torchrun, "--nproc_per_node", "2", "--master_port", str(port), str(rank)], cwd=tmp_path,
+                       env=ranks_env, text=True, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(line for line in r.stdout.splitlines() if line.startswith("rank")) == \
+        ["rank 0 True False", "rank 1 True False"]
+    outer = tmp_path / "outer.py"
+    outer.write_text("import os, subprocess, sys\n"
+                     "subprocess.run([sys.executable, '-u', 'rank.py'], env=dict(os.environ, RANK='1'))\n")
+    r = run_preloaded([str(outer)], tmp_path, env, 60)
+    assert (r.returncode, r.stdout) == (0, "rank 1 False False\n"), r.stderr
+
+
+def test_the_libraries_read_no_rank_variable_at_import():
+    """What lets a --libraries server stand in for any rank: importing LIBRARIES in a fresh interpreter reads none of
+    torchrun's per-rank variables (every read of os.environ recorded)."""
+    code = f"""
+import os, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from preloaded_python import is_rank_variable
+read = set()
+class Recording(type(os.environ)):
+    def __getitem__(self, key):
+        if sys._getframe(1).f_code.co_name != "__iter__":  # not a walk over every variable (tqdm's)
+            read.add(key)
+        return super().__getitem__(key)
+    def __contains__(self, key):
+        read.add(key)
+        return super().__contains__(key)
+os.environ.__class__ = Recording
+for name in {LIBRARIES!r}:
+    __import__(name)
+print(sorted(k for k in read if is_rank_variable(k)), len(read) > 0)
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, RANK="1"), text=True, capture_output=True,
+                       timeout=120)
+    assert (r.returncode, r.stdout) == (0, "[] True\n"), r.stderr[-2000:]
+    assert is_rank_variable("LOCAL_RANK") and is_rank_variable("TORCHELASTIC_RUN_ID")
 
 
 @pytest.mark.parametrize("unread", [b"", b'{"pid": 1}\n'], ids=["read its answer", "killed before reading it"])
