@@ -15,8 +15,8 @@ from preloaded_python import LIBRARIES, is_rank_variable, launcher_gone
 INNER = r'''
 import os, sys
 open("made-inner.txt", "w").close()
-print("inner argv", os.path.basename(sys.argv[0]), sys.argv[1:], "cwd", os.getcwd(), "umask", oct(os.stat("made-inner.txt").st_mode & 0o777),
-      "path0", sys.path[0], "main", __name__, "file", globals().get("__file__"))
+print("inner argv", os.path.basename(sys.argv[0]), sys.argv[1:], "cwd", os.getcwd(),
+      "umask", oct(os.stat("made-inner.txt").st_mode & 0o777), "path0", sys.path[0], "main", __name__, "file", globals().get("__file__"))
 sys.exit(5)
 '''
 # Each case: what the script does, observed through its output files, its exit code and what it printed.
