@@ -24,7 +24,8 @@ import torch  # noqa: E402
 from models.deployment.evaluate import NMSConfig  # noqa: E402
 from models.finetuning.fast_step import STEP_MODES  # noqa: E402
 from models.finetuning.finetune import DISTILL_TARGETS, LR_SCHEDULES, RECIPES, QATRecipe  # noqa: E402
-from models.pipeline import CONTROL_PARTS, RunConfig, evaluate_checkpoint, quantize, resume, sensitivity  # noqa: E402
+from models.analysis import evaluate_checkpoint, sensitivity  # noqa: E402
+from models.pipeline import CONTROL_PARTS, RunConfig, quantize, resume  # noqa: E402
 from models.quantization.backends import BACKENDS, DEFAULT_BACKEND, get_backend  # noqa: E402
 from models.quantization.quantize import CALIB_METHODS, QuantRecipe, skip_patterns  # noqa: E402
 from utils.datasplit import SelectConfig  # noqa: E402
