@@ -339,6 +339,14 @@ def _served(env: dict) -> dict:
     return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now (torchrun's --master_port, a rendezvous endpoint)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def preloaded_torchrun(env: dict) -> tuple[list[str], dict]:
     """`python -m torch.distributed.run` (torchrun) and the environment to run it with, `env` plus what forks it and
     its ranks from a preloaded Python that imported only the libraries (tests/preloaded_python.py --libraries: ~6 s

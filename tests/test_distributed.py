@@ -4,26 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import CHECKOUT, IMGSZ, call_cli, preloaded_torchrun, run_preloaded
+from conftest import CHECKOUT, IMGSZ, call_cli, free_port, preloaded_torchrun, run_preloaded
 
 from models.quantization.calibration import HistogramCollector
 from models.quantization.checkpoint import load_quantized_model
 from models.quantization.quantize import named_quantizers
 
 COMMON = ["--imgsz", IMGSZ, "--device", "cpu", "--workers", 0, "--seed", 3]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _two_ranks(rank: int, port: int, chunks: list, out: str) -> None:
@@ -46,7 +39,7 @@ def two_ranks(tmp_path_factory) -> tuple[list, object]:
     out = tmp_path_factory.mktemp("ranks")
     g = torch.Generator().manual_seed(0)
     chunks = [torch.randn(4000, generator=g) * s for s in (1.0, 0.5, 3.0, 1.2, 20.0)]
-    mp.start_processes(_two_ranks, args=(_free_port(), chunks, str(out)), nprocs=2,
+    mp.start_processes(_two_ranks, args=(free_port(), chunks, str(out)), nprocs=2,
                        start_method="spawn")  # fork would copy this process's OpenMP threads
     return chunks, out
 
@@ -135,7 +128,7 @@ def _torchrun_env() -> tuple[list[str], dict]:
 
 def _torchrun(*args, cwd=CHECKOUT, timeout=900):
     torchrun, env = _torchrun_env()
-    cmd = [*torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()), str(CHECKOUT / "qat.py"),
+    cmd = [*torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(CHECKOUT / "qat.py"),
            *map(str, args)]
     return subprocess.run(cmd, cwd=cwd, text=True, capture_output=True, env=env, timeout=timeout)
 
@@ -389,7 +382,7 @@ def _node(node_rank: int, endpoint: str, log: Path, *args) -> subprocess.Popen:
 
 def _two_nodes(logs: Path, *args) -> list[tuple[int, str]]:
     """Both agents' exit codes and output."""
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     logs.mkdir(parents=True, exist_ok=True)
     agents = [_node(k, endpoint, logs / f"node{k}.log", *args) for k in (0, 1)]
     codes = [a.wait(timeout=900) for a in agents]

@@ -9,14 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CHECKOUT, preloaded_torchrun, run_preloaded
+from conftest import CHECKOUT, free_port, preloaded_torchrun, run_preloaded
 from preloaded_python import LIBRARIES, is_rank_variable, launcher_gone
 
 INNER = r'''
 import os, sys
 open("made-inner.txt", "w").close()
 print("inner argv", os.path.basename(sys.argv[0]), sys.argv[1:], "cwd", os.getcwd(),
-      "umask", oct(os.stat("made-inner.txt").st_mode & 0o777), "path0", sys.path[0], "main", __name__, "file", globals().get("__file__"))
+      "umask", oct(os.stat("made-inner.txt").st_mode & 0o777), "path0", sys.path[0], "main", __name__,
+      "file", globals().get("__file__"))
 sys.exit(5)
 '''
 # Each case: what the script does, observed through its output files, its exit code and what it printed.
@@ -140,11 +141,8 @@ def test_torchruns_agent_and_ranks_are_forks_of_a_server_that_imported_only_libr
     rank.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'torch' in sys.modules, "
                     "'utils.general' in sys.modules, flush=True)\n")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     torchrun, ranks_env = preloaded_torchrun(env)
-    r = subprocess.run([*torchrun, "--nproc_per_node", "2", "--master_port", str(port), str(rank)], cwd=tmp_path,
+    r = subprocess.run([*torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(rank)], cwd=tmp_path,
                        env=ranks_env, text=True, capture_output=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert sorted(line for line in r.stdout.splitlines() if line.startswith("rank")) == \
