@@ -23,7 +23,7 @@ def _real(python: str):
 
 def _command(args: list[str]) -> dict | None:
     """The script or module to run, its arguments and whether -u was given; None for any other interpreter option
-    (torchrun starts its ranks as `python -u script`, the benchmark Model Optimizer's steps as `python -m`)."""
+    (torchrun starts its ranks as `python -u script`, the benchmark's Model Optimizer steps as `python -m`)."""
     unbuffered = args[:1] == ["-u"]
     args = args[unbuffered:]
     if args[:1] == ["-m"] and len(args) > 1:
