@@ -272,7 +272,9 @@ class PreloadedPython:
     Python that has imported torch and the checkout (~12 s a start saved, of ~100 starts in the suite)."""
 
     def __init__(self, env: dict, cwd: Path, libraries_only: bool = False):
-        cmd = [sys.executable, str(REPO / "tests" / "preloaded_python.py")] + (["--libraries"] if libraries_only else [])
+        cmd = [sys.executable, str(REPO / "tests" / "preloaded_python.py")]
+        if libraries_only:
+            cmd.append("--libraries")
         self.server = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.pending = b""  # what was read of the server's answers past the last whole line
         self.running: Started | None = None
