@@ -247,44 +247,76 @@ def test_real_photographs_with_polygons_run_end_to_end(checkout, tmp_path):
     assert step["det"] > 0 and math.isfinite(step["distill_mask"])
 
 
-class _PerfectSegmenter:
-    """A runner whose predictions are two given boxes with masks that equal the instances' full polygons: class 0 a
-    large square, class 1 a small square lying on it (a dent on a panel)."""
+SQUARES = {120: (5, 35), 40: (15, 25)}  # side -> its pixels at 1/4 of the input: squares centred on (80, 80)
+
+
+class _SquareSegmenter:
+    """A runner whose predictions are squares centred on (80, 80), each `(side, class, confidence)`, with a mask
+    equal to its box: one prototype per square of SQUARES (at 1/4 of the input, as the Proto module's output)."""
     input_shape = (None, 3, 160, 160)
 
+    def __init__(self, nc: int, predictions: list[tuple[int, int, float]]):
+        self.nc, self.predictions = nc, predictions
+
     def __call__(self, images):
-        n = len(images)
-        pred = torch.zeros(n, 4 + 2 + 2, 2)  # xywh, 2 class scores, 2 mask coefficients; 2 anchors
-        pred[:, :, 0] = torch.tensor([80, 80, 120, 120, 0.9, 0, 1, 0])
-        pred[:, :, 1] = torch.tensor([80, 80, 40, 40, 0, 0.9, 0, 1])
-        protos = torch.full((n, 2, 40, 40), -10.0)  # at 1/4 of the input, as the Proto module's output
-        protos[:, 0, 5:35, 5:35] = 10
-        protos[:, 1, 15:25, 15:25] = 10
+        n, k = len(images), len(SQUARES)
+        pred = torch.zeros(n, 4 + self.nc + k, len(self.predictions))  # xywh, class scores, mask coefficients
+        for a, (side, cls, conf) in enumerate(self.predictions):
+            pred[:, :4, a] = torch.tensor([80, 80, side, side])
+            pred[:, 4 + cls, a] = conf
+            pred[:, 4 + self.nc + list(SQUARES).index(side), a] = 1
+        protos = torch.full((n, k, 40, 40), -10.0)
+        for i, (lo, hi) in enumerate(SQUARES.values()):
+            protos[:, i, lo:hi, lo:hi] = 10
         return {"output0": pred, "output1": protos}
 
 
-def test_masks_are_scored_whole_where_instances_nest(checkout, tmp_path):
-    """segment/val.py scores each instance's full mask; training's one mask per image (overlap) cuts the small
-    instance out of the large one. A prediction equal to the large polygon is a perfect mask: scored whole, mask mAP
-    equals box mAP; against the overlap mask its IoU would be (120² - 40²) / 120² = 0.89, failing 0.90 and 0.95."""
+@pytest.fixture
+def nested_squares(tmp_path) -> dict:
+    """One grey image labelled with the full polygons of class 0 a large square and class 1 a small square lying on
+    it (a dent on a panel)."""
     import cv2
     import numpy as np
-    from models.core.task import SEGMENT
-    from models.deployment.evaluate import evaluate, val_loader
     (tmp_path / "images").mkdir()
     (tmp_path / "labels").mkdir()
     cv2.imwrite(str(tmp_path / "images" / "a.png"), np.full((160, 160, 3), 114, np.uint8))
     square = lambda c, lo, hi: f"{c} " + " ".join(f"{x / 160} {y / 160}" for x, y in  # noqa: E731
                                                     ((lo, lo), (hi, lo), (hi, hi), (lo, hi)))
     (tmp_path / "labels" / "a.txt").write_text(square(0, 20, 140) + "\n" + square(1, 60, 100) + "\n")
-    data = {"val": str(tmp_path / "images")}
-    whole = evaluate(_PerfectSegmenter(), val_loader(SEGMENT, data, 160, 1, 0), SEGMENT, nc=2)
+    return {"val": str(tmp_path / "images")}
+
+
+def test_masks_are_scored_whole_where_instances_nest(checkout, nested_squares):
+    """segment/val.py scores each instance's full mask; training's one mask per image (overlap) cuts the small
+    instance out of the large one. A prediction equal to the large polygon is a perfect mask: scored whole, mask mAP
+    equals box mAP; against the overlap mask its IoU would be (120² - 40²) / 120² = 0.89, failing 0.90 and 0.95."""
+    from models.core.task import SEGMENT
+    from models.deployment.evaluate import evaluate, val_loader
+    data = nested_squares
+    perfect = _SquareSegmenter(2, [(120, 0, 0.9), (40, 1, 0.9)])
+    whole = evaluate(perfect, val_loader(SEGMENT, data, 160, 1, 0), SEGMENT, nc=2)
     assert whole["ap"] > 0.99 and whole["mask_ap"] == pytest.approx(whole["ap"], abs=1e-6)
     # the two scorings differ here: training's overlap mask of the large square lacks the small one's pixels
     overlap = next(iter(SEGMENT.dataloader(data["val"], 160, 1, 32, pad=0.5, workers=0)[0]))[4][0]
     full = next(iter(val_loader(SEGMENT, data, 160, 1, 0)))[4]
     assert full.shape == (2, 40, 40) and full[0].sum() == 30 * 30 and full[1].sum() == 10 * 10
     assert (overlap == 1).sum() < (overlap >= 1).sum()  # the small instance took its area out of the large one
+
+
+def test_masks_score_as_their_boxes_among_predictions_of_other_classes(checkout, nested_squares):
+    """The evaluation makes masks only for the predictions of a labelled class (the others cannot match one); each
+    of those masks must still be judged as its own prediction. Masks equal to their boxes score exactly as the boxes
+    do: here each square is predicted as its own class, as the other labelled class and as a class no label has, at
+    interleaved confidences, so a mask verdict given to another prediction, or one left out, changes the mask
+    metrics and not the box ones."""
+    from models.core.task import SEGMENT
+    from models.deployment.evaluate import evaluate, val_loader
+    runner = _SquareSegmenter(3, [(120, 2, 0.95), (120, 0, 0.9), (120, 1, 0.85), (40, 1, 0.8), (40, 0, 0.7),
+                                  (40, 2, 0.6)])
+    m = evaluate(runner, val_loader(SEGMENT, nested_squares, 160, 1, 0), SEGMENT, nc=3)
+    assert 0.5 < m["ap"] < 0.99  # both instances found, class 1's behind a false positive of its class
+    assert {k: m[f"mask_{k}"] for k in ("ap", "ap50", "precision", "recall")} == \
+        {k: m[k] for k in ("ap", "ap50", "precision", "recall")}
 
 
 def _coco128_seg(tmp_path: Path, val: int = 28, train: int | None = None) -> Path:

@@ -308,11 +308,15 @@ def _batch_stats(outputs: dict[str, torch.Tensor], batch, task: Task, nms: NMSCo
             tbox = xywh2xyxy(labels[:, 1:5])
             scale_boxes(im[si].shape[1:], tbox, shapes[si][0], shapes[si][1])
             correct = match(box_iou(tbox, predn[:, :4]), labels[:, 0], predn[:, 5])
-            if task.has_masks:
-                masks = outputs["det_masks"][si, :len(pred)] if "det_masks" in outputs else \
-                    process_mask(protos[si], pred[:, 6:], pred[:, :4], shape=im[si].shape[1:])
+            # masks: only a prediction of a labelled class can match (match pairs one class), so only those are
+            # made and compared; the same result, where making every mask was most of a segmenter's evaluation
+            keep = torch.isin(pred[:, 5], labels[:, 0]) if task.has_masks else None
+            if keep is not None and keep.any():
+                masks = outputs["det_masks"][si, :len(pred)][keep] if "det_masks" in outputs else \
+                    process_mask(protos[si], pred[keep, 6:], pred[keep, :4], shape=im[si].shape[1:])
                 gt = instance_masks[targets[:, 0] == si]
-                correct_masks = match(mask_iou_instances(gt, masks), labels[:, 0], predn[:, 5])
+                correct_masks = torch.zeros_like(correct)
+                correct_masks[keep] = match(mask_iou_instances(gt, masks), labels[:, 0], predn[keep, 5])
         stats.append((correct, correct_masks, pred[:, 4], pred[:, 5], labels[:, 0]))
         if jdict is not None:
             jdict.extend(_coco_json(Path(paths[si]).stem, predn))
