@@ -308,12 +308,18 @@ def test_masks_score_as_their_boxes_among_predictions_of_other_classes(checkout,
     of those masks must still be judged as its own prediction. Masks equal to their boxes score exactly as the boxes
     do: here each square is predicted as its own class, as the other labelled class and as a class no label has, at
     interleaved confidences, so a mask verdict given to another prediction, or one left out, changes the mask
-    metrics and not the box ones."""
+    metrics and not the box ones. The matching's single CPU thread is scoped to it."""
     from models.core.task import SEGMENT
     from models.deployment.evaluate import evaluate, val_loader
     runner = _SquareSegmenter(3, [(120, 2, 0.95), (120, 0, 0.9), (120, 1, 0.85), (40, 1, 0.8), (40, 0, 0.7),
                                   (40, 2, 0.6)])
-    m = evaluate(runner, val_loader(SEGMENT, nested_squares, 160, 1, 0), SEGMENT, nc=3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)  # the matching runs on one thread: the forward passes get theirs back
+    try:
+        m = evaluate(runner, val_loader(SEGMENT, nested_squares, 160, 1, 0), SEGMENT, nc=3)
+        assert torch.get_num_threads() == threads + 1
+    finally:
+        torch.set_num_threads(threads)
     assert 0.5 < m["ap"] < 0.99  # both instances found, class 1's behind a false positive of its class
     assert {k: m[f"mask_{k}"] for k in ("ap", "ap50", "precision", "recall")} == \
         {k: m[k] for k in ("ap", "ap50", "precision", "recall")}
