@@ -329,8 +329,7 @@ def _match_batch(outputs: dict[str, torch.Tensor], batch, task: Task, nms: NMSCo
             correct = match(box_iou(tbox, predn[:, :4]), labels[:, 0], predn[:, 5])
             # masks: only a prediction of a labelled class can match (match pairs one class), so only those are
             # made and compared; the same result, where making every mask was most of a segmenter's evaluation
-            keep = torch.isin(pred[:, 5], labels[:, 0]) if task.has_masks else None
-            if keep is not None and keep.any():
+            if task.has_masks and (keep := torch.isin(pred[:, 5], labels[:, 0])).any():
                 masks = outputs["det_masks"][si, :len(pred)][keep] if "det_masks" in outputs else \
                     process_mask(protos[si], pred[keep, 6:], pred[keep, :4], shape=im[si].shape[1:])
                 gt = instance_masks[targets[:, 0] == si]
