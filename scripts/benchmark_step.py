@@ -65,8 +65,8 @@ def start(opt, seed: int, step: str, device: str) -> dict:
     if opt.compile_threads:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(opt.compile_threads)
     cmd = [sys.executable, "qat.py", "quantize", "--weights", opt.weights, "--data", opt.data, "--imgsz",
-           str(opt.imgsz), "--device", "cpu" if device == "cpu" else "0", "--seed", str(seed), "--step", step, "--project", str(opt.project),
-           "--name", name, "--exist-ok", *opt.extra]
+           str(opt.imgsz), "--device", "cpu" if device == "cpu" else "0", "--seed", str(seed), "--step", step,
+           "--project", str(opt.project), "--name", name, "--exist-ok", *opt.extra]
     log = open(folder.with_suffix(".log"), "w")
     return {"seed": seed, "step": step, "device": device, "folder": folder, "t0": time.perf_counter(),
             "process": subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), "log": log}
