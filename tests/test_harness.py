@@ -20,8 +20,26 @@ print("inner argv", os.path.basename(sys.argv[0]), sys.argv[1:], "cwd", os.getcw
       "file", globals().get("__file__"))
 sys.exit(5)
 '''
+# The child that Ctrl-C interrupts: it says it is ready only once its main thread is on the sleep, so that the
+# interrupt lands there in either way of starting it (when "ready" was written before the sleep, the interrupt could
+# land inside that write, and the tracebacks differed by where).
+SLEEPER = r'''
+import linecache, sys, threading, time
+
+
+def ready_once_asleep(main=threading.main_thread().ident):
+    frame = sys._current_frames()[main]
+    while linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() != "time.sleep(60)":
+        time.sleep(0.01)
+        frame = sys._current_frames()[main]
+    open("ready", "w").close()
+
+
+threading.Thread(target=ready_once_asleep, daemon=True).start()
+time.sleep(60)
+'''
 # Each case: what the script does, observed through its output files, its exit code and what it printed.
-SCRIPT = f"INNER = {INNER!r}\n" + r'''
+SCRIPT = f"INNER = {INNER!r}\nSLEEPER = {SLEEPER!r}\n" + r'''
 import atexit, os, sys, threading, time
 case = sys.argv[1]
 print("argv", sys.argv[1:], "cwd", os.getcwd(), "path0", sys.path[0], "main", __name__, "file", __file__)
@@ -50,7 +68,7 @@ if case.startswith("child") and case != "child interrupted":  # a process of its
     print("inner exit", r.returncode, os.path.basename(sys.executable))
 if case == "child interrupted":  # Ctrl-C reaches it through the process that started it
     import signal, subprocess
-    open("inner.py", "w").write("import time\nopen('ready', 'w').close()\ntime.sleep(60)\n")
+    open("inner.py", "w").write(SLEEPER)
     with open("inner.txt", "w") as out:
         p = subprocess.Popen([sys.executable, "inner.py"], stdout=out, stderr=subprocess.STDOUT,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
