@@ -27,11 +27,14 @@ SLEEPER = r'''
 import linecache, sys, threading, time
 
 
-def ready_once_asleep(main=threading.main_thread().ident):
+def main_thread_line(main=threading.main_thread().ident):
     frame = sys._current_frames()[main]
-    while linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() != "time.sleep(60)":
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+
+
+def ready_once_asleep():
+    while main_thread_line() != "time.sleep(60)":
         time.sleep(0.01)
-        frame = sys._current_frames()[main]
     open("ready", "w").close()
 
 
