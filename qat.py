@@ -117,6 +117,10 @@ def _recipe_flags(q):
     q.add_argument("--learn-amax", action=argparse.BooleanOptionalAction, default=None,
                    help="train the activation ranges (amax) too")
     q.add_argument("--ema", type=float, default=None, help="weight EMA decay (0: off)")
+    q.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="segmentation: train on one mask per image (--overlap, upstream's default) or on every "
+                        "instance's full mask (--no-overlap); default: as the float model was trained (its "
+                        "checkpoint's opt.no_overlap), else --overlap")
 
 
 def _measurement_flags(q):

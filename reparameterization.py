@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from models.quantization.checkpoint import read_checkpoint  # noqa: E402
+from models.quantization.checkpoint import read_checkpoint, training_record  # noqa: E402
 from models.yolo import Model, SegmentationModel  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import atomic_write, cli_main  # noqa: E402
@@ -229,7 +229,7 @@ def run(cfg, weights, model, device, classes_num, save, exist_ok=False, trust_ch
     gelan.nc = nc
     gelan.hyp = getattr(train, "hyp", None)
     out = {"model": copy.deepcopy(gelan).half(), "optimizer": None, "best_fitness": None, "ema": None,
-           "updates": None, "epoch": -1, "converted_from": str(weights)}
+           "updates": None, "epoch": -1, "converted_from": str(weights), **training_record(ckpt)}
     atomic_write(save, lambda tmp: torch.save(out, tmp))
     LOGGER.info(f"{PREFIX}{weights} -> {colorstr('bold', save)}: {summary['layers']} layers, {summary['tensors']} "
                 f"tensors, params {summary['params_before']:,} -> {summary['params_after']:,} (saved FP16)")

@@ -45,7 +45,7 @@ from models.finetuning.finetune import FineTuner, QATObjective, QATRecipe, learn
 from models.mixed_precision import (Candidate, MixedPrecision, candidate_metrics, choose_float_set, deployment_summary,
                                     float_candidates, keep_float)
 from models.quantization.checkpoint import (copy_checkpoint, load_float_model, load_quantized_model, read_checkpoint,
-                                            save_checkpoint)
+                                            save_checkpoint, trained_overlap)
 from models.quantization.quantize import (QuantRecipe, collect_statistics, copy_float, holds_scales, is_enabled,
                                           named_quantizers, quantize_model, quantizer_counts)
 from utils.batches import load_data, load_hyp, seeded_batches, seeded_indices, seeded_rank_loader
@@ -72,6 +72,7 @@ class RunConfig:
     batch_size: int = 10
     workers: int = 8
     cache: str | None = None          # upstream's --cache: training images decoded once, kept in "ram" or on "disk"
+    overlap: bool | None = None       # segmentation training masks (--overlap/--no-overlap); None: as the float model's
     step: str = "auto"                # fine-tuning step: compiled where it can be (finetuning/fast_step.py) or eager
     num_image: int | None = None      # evaluate on the first N validation images only
     seed: int = 57                    # calibration sample, data order and augmentation of every epoch
@@ -172,6 +173,21 @@ def check_skip(model: nn.Module, recipe: QuantRecipe, flag_values: list[str]) ->
                          f"(layers are 0-{len(model.model) - 1}, or regexes over names like 'model.22.cv2')")
 
 
+def training_task(task: Task, flag: bool | None, recorded: bool | None, weights: str) -> tuple[Task, str]:
+    """The task with the masks its fine-tune trains on, and why: --overlap/--no-overlap, else as the float model was
+    trained (its checkpoint's record), else one mask per image (upstream's default)."""
+    given = None if flag is None else f"--{'' if flag else 'no-'}overlap"
+    if not task.has_masks:
+        if given:
+            raise ValueError(f"{given}: --weights {weights} is a detector; the flag chooses a segmenter's masks")
+        return task, ""
+    if given:
+        return task.trained_with(flag), given
+    if recorded is not None:
+        return task.trained_with(recorded), "as the float model was trained: its checkpoint's opt.no_overlap"
+    return task, "upstream's default; the checkpoint does not say how its masks were trained"
+
+
 def load_inputs(cfg: RunConfig, skip_values: list[str] = (), choices: bool = True) -> Inputs:
     """Files, class counts, labels and layer patterns, all checked before anything is written; in a torchrun job,
     the process group joined."""
@@ -185,10 +201,13 @@ def load_inputs(cfg: RunConfig, skip_values: list[str] = (), choices: bool = Tru
     init(world, device)
     data_dict = load_data(cfg.data)
     hyp_dict = load_hyp(cfg.hyp)
-    model = load_float_model(cfg.weights, device, cfg.trust_checkpoint)
+    ckpt = read_checkpoint(cfg.weights, cfg.trust_checkpoint)
+    model = load_float_model(cfg.weights, device, ckpt=ckpt)
     check_classes(model, data_dict, cfg.weights, cfg.data)
     check_skip(model, cfg.quant, list(skip_values))
-    task = task_of(model)
+    task, why = training_task(task_of(model), cfg.overlap, trained_overlap(ckpt), cfg.weights)
+    if task.has_masks and world.main and cfg.finetunes:
+        LOGGER.info(f"{PREFIX}fine-tuning on {'one mask per image' if task.overlap else 'full instance masks'} ({why})")
     val = val_loader(task, data_dict, cfg.imgsz, cfg.batch_size * 2, cfg.workers, cfg.num_image, cfg.data)
     if cfg.finetunes:  # the training images must load too
         train_loader(task, data_dict, cfg, hyp_dict, augment=False)
@@ -514,7 +533,8 @@ class FineTuneStage:
         same_on_every_rank(world, "quantizers turned off",
                            sorted(n for n, q in named_quantizers(model) if not is_enabled(q)))
         forward = compiled(data_parallel(model, world, inputs.device), plan)
-        with QATObjective(cfg.qat, model, teacher, inputs.hyp_dict, forward, compiled(teacher, plan)) as objective:
+        with QATObjective(cfg.qat, model, teacher, inputs.hyp_dict, forward, compiled(teacher, plan),
+                          task=inputs.task) as objective:
             tuner = FineTuner(objective, cfg.epochs, iters, amp=inputs.device.type == "cuda", plan=plan)
             report["step"] = {"plan": plan.reason}
             if state is not None:
@@ -613,8 +633,8 @@ def quantize(cfg: RunConfig, out: OutputDir, skip_values: list[str] = ()) -> dic
     """`qat.py quantize`: a new run."""
     inputs = load_inputs(cfg, skip_values)
     save_dir = inputs.world.broadcast(out.create() if inputs.world.main else None)  # one folder for all ranks
-    report = {"config": cfg.to_dict(), "task": inputs.task.name, "world_size": inputs.world.size,
-              "save_dir": str(save_dir)}
+    report = {"config": cfg.to_dict(), "task": inputs.task.name, "training_masks": inputs.task.training_masks,
+              "world_size": inputs.world.size, "save_dir": str(save_dir)}
     with shutdown_after(inputs.world):
         return run_stages(RunFolder(cfg, save_dir, report, inputs))
 

@@ -16,6 +16,11 @@ the wall time, and the sha256 of the weights. --weights-out also writes the best
 evaluation and quantization read; upstream's best.pt also holds the optimizer); with --reparameterize (YOLOv9
 models trained with train_dual.py) it converts them with reparameterization.py, as a user does next, and records
 the converted file too.
+
+Segmenters (segment/train.py, segment/train_dual.py) train on every instance's full mask here (upstream's
+--no-overlap), as segment/val.py and this toolkit score them: upstream's default, one mask per image, lets a smaller
+instance cut its area out of a larger one it lies on, and the model learns the cut-out masks (`--overlap` for
+upstream's way). The weights written keep that choice, and `qat.py quantize` fine-tunes on the same masks.
 """
 from __future__ import annotations
 
@@ -142,12 +147,14 @@ def record_session(run_dir: Path, seconds: float, returncode: int) -> None:
 
 
 def compact_weights(best: Path, out: Path) -> Path:
-    """The EMA model of an upstream training checkpoint, FP16, without the optimizer."""
+    """The EMA model of an upstream training checkpoint, FP16, without the optimizer; a segmenter's record of how its
+    masks were trained kept (its fine-tune trains on the same)."""
     import torch
-    from models.quantization.checkpoint import read_checkpoint
+    from models.quantization.checkpoint import read_checkpoint, training_record
     ckpt = read_checkpoint(best, flag="best.pt")
     model = (ckpt.get("ema") or ckpt["model"]).half()
-    return atomic_write(out, lambda tmp: torch.save({"model": model, "epoch": ckpt.get("epoch")}, tmp))
+    compact = {"model": model, "epoch": ckpt.get("epoch"), **training_record(ckpt)}
+    return atomic_write(out, lambda tmp: torch.save(compact, tmp))
 
 
 def converted_path(weights: Path) -> Path:
@@ -203,7 +210,16 @@ def train_args(opt, split_yaml: Path) -> list[str]:
             "--batch", str(opt.batch), "--epochs", str(opt.epochs), "--patience", str(opt.patience), "--seed",
             str(opt.seed), "--workers", str(opt.workers), "--close-mosaic", str(opt.close_mosaic), "--cache", "ram",
             "--device", opt.device, "--project", opt.project, "--name", opt.name, "--exist-ok",
-            *(["--no-overlap"] if opt.no_overlap else [])]
+            *(["--no-overlap"] if trains_full_masks(opt) else [])]
+
+
+def trains_full_masks(opt) -> bool:
+    """A segmenter trains on full instance masks unless --overlap asks for upstream's one mask per image."""
+    return segmentation(opt) and not opt.overlap
+
+
+def segmentation(opt) -> bool:
+    return Path(opt.train_script).parent.name == "segment"
 
 
 def launcher(opt) -> list[str]:
@@ -244,9 +260,10 @@ def parse_opt(argv=None):
     p.add_argument("--reparameterize", metavar="MODEL", choices=("t", "s", "m", "c", "e", "c-seg"),
                    help="with --weights-out: also convert them (reparameterization.py --model MODEL) to "
                         "WEIGHTS-converted.pt, for YOLOv9 models trained with train_dual.py or segment/train_dual.py")
-    p.add_argument("--no-overlap", action="store_true",
-                   help="segmentation: train on every instance's full mask (upstream's --no-overlap) instead of one "
-                        "mask per image, where a smaller instance cuts its area out of a larger one it lies on")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="segmentation: --overlap trains on one mask per image (upstream's default), where a smaller "
+                        "instance cuts its area out of a larger one it lies on; without it, every instance's full "
+                        "mask, as segment/val.py scores (upstream's --no-overlap)")
     p.add_argument("--collect", action="store_true", help="only write OUT from the run as it stands")
     return p.parse_args(argv)
 
@@ -283,9 +300,9 @@ def train(opt) -> dict:
 
 def main(argv=None) -> int:
     opt = parse_opt(argv)
-    if opt.no_overlap and not Path(opt.train_script).parent.name == "segment":
-        print(f"train_float: error: --no-overlap is a segmentation flag; --train-script {opt.train_script} trains a "
-              "detector", file=sys.stderr)
+    if opt.overlap is not None and not segmentation(opt):
+        print(f"train_float: error: --{'' if opt.overlap else 'no-'}overlap is a segmentation flag; --train-script "
+              f"{opt.train_script} trains a detector", file=sys.stderr)
         return 2
     if opt.reparameterize and opt.weights_out is None:
         print("train_float: error: --reparameterize converts the --weights-out file: give --weights-out",

@@ -225,11 +225,11 @@ def tiny_gelan_weights(tmp_path_factory) -> Path:
     return save_float_checkpoint(model.eval(), folder / "tiny-gelan.pt")
 
 
-def save_float_checkpoint(model, path: Path) -> Path:
-    """Saved the way upstream train.py saves (pickled model in FP16)."""
+def save_float_checkpoint(model, path: Path, **record) -> Path:
+    """Saved the way upstream train.py saves (pickled model in FP16), with `record`'s entries (its `opt`, say)."""
     import copy
     import torch
-    torch.save({"model": copy.deepcopy(model).half(), "epoch": -1}, path)
+    torch.save({"model": copy.deepcopy(model).half(), "epoch": -1, **record}, path)
     return path
 
 

@@ -35,7 +35,8 @@ def test_converted_gelan_equals_main_branch(size, tmp_path):
 def test_segmentation_pair_equals_main_branch(tmp_path):
     import reparameterization
     train = build_model("yolov9-c-dseg", seed=3)
-    weights = save_float_checkpoint(train, tmp_path / "yolov9-c-seg.pt")
+    # trained with upstream's --no-overlap (full instance masks): the converted file keeps it for the fine-tune
+    weights = save_float_checkpoint(train, tmp_path / "yolov9-c-seg.pt", opt={"no_overlap": True, "save_dir": "r"})
     train = torch.load(weights, weights_only=False)["model"].float().eval()
     opt = reparameterization.parse_opt(["--weights", str(weights), "--model", "c-seg", "--classes_num", "12",
                                         "--save", str(tmp_path / "seg.pt")])
@@ -52,7 +53,9 @@ def test_segmentation_pair_equals_main_branch(tmp_path):
           f"params {summary['params_before']:,} -> {summary['params_after']:,}")
     assert max(diffs) < 1e-4 and float(t_proto.abs().max()) > 0
     assert summary["params_after"] < summary["params_before"]
-    saved = torch.load(tmp_path / "seg.pt", weights_only=False)["model"]
+    saved = torch.load(tmp_path / "seg.pt", weights_only=False)
+    assert saved["opt"] == {"no_overlap": True}
+    saved = saved["model"]
     assert next(saved.parameters()).dtype == torch.float16 and list(saved.names) == list(train.names)
     # what QAT takes: the converted model quantizes, its segmentation head included, under the derived sharing rules
     from pytorch_quantization.nn import QuantConv2d

@@ -51,6 +51,7 @@ def test_quantize_reports_box_and_mask_metrics(seg_run):
         assert set(report[stage]) >= {"ap", "ap50", "precision", "recall", "mask_ap", "mask_ap50", "mask_precision",
                                       "mask_recall"}, stage
     assert report["origin"]["mask_ap50"] > 0.1  # a trained model: masks are really matched, not all zero
+    assert report["training_masks"] == "overlap"  # its checkpoint does not say: upstream's default
     # the QAT step distilled the masks and trained on upstream's segmentation loss
     assert {"distill", "distill_mask", "det"} <= set(report["qat"][0])
     assert "Mask AP" in r.stdout + r.stderr
@@ -234,7 +235,8 @@ def test_real_photographs_with_polygons_run_end_to_end(checkout, tmp_path):
     torch.manual_seed(0)
     model = SegmentationModel(str(REPO / "assets" / "gelan-t-seg.yaml"), nc=80).eval()
     model.names = data["names"]
-    weights = save_float_checkpoint(model, tmp_path / "gelan-t-seg-coco.pt")
+    # as upstream's segment/train.py --no-overlap records it: the fine-tune trains on full instance masks too
+    weights = save_float_checkpoint(model, tmp_path / "gelan-t-seg-coco.pt", opt={"no_overlap": True})
     r = run_cli("qat.py", "quantize", "--weights", weights, "--data", tmp_path / "data.yaml", "--imgsz", 160,
                 "--batch-size", 8, "--device", "cpu", "--workers", 0, "--epochs", 1, "--iters", 1, "--calib-batches", 1,
                 "--calib-method", "max", "--num-image", 16, "--project", tmp_path, "--name", "coco")
@@ -245,6 +247,8 @@ def test_real_photographs_with_polygons_run_end_to_end(checkout, tmp_path):
     step = report["qat"][0]
     assert report["finished"] and "mask_ap" in report["qat_best"] and {"distill", "distill_mask"} <= set(step)
     assert step["det"] > 0 and math.isfinite(step["distill_mask"])
+    assert report["training_masks"] == "full" and "fine-tuning on full instance masks (as the float model was" in \
+        r.stdout + r.stderr
 
 
 SQUARES = {120: (5, 35), 40: (15, 25)}  # side -> its pixels at 1/4 of the input: squares centred on (80, 80)
@@ -303,6 +307,37 @@ def test_masks_are_scored_whole_where_instances_nest(checkout, nested_squares):
     assert (overlap == 1).sum() < (overlap >= 1).sum()  # the small instance took its area out of the large one
 
 
+def test_fine_tune_trains_on_the_masks_its_float_model_was_trained_on(checkout, nested_squares):
+    """A segmenter trained with upstream's --no-overlap learned every instance's full mask; fine-tuned on one mask per
+    image it would learn to cut the small square out of the large one again. The run's task follows the flag, else
+    the checkpoint's record (upstream's opt.no_overlap), else upstream's default; its training loader and its loss
+    then agree on the masks: upstream's loss reads per-instance masks only with overlap off."""
+    import yaml
+    from models.core.task import DETECT, SEGMENT
+    from models.pipeline import training_task
+    from models.quantization.checkpoint import load_float_model, trained_overlap, training_record
+    from utils.segment.loss_tal import ComputeLoss
+    full, why = training_task(SEGMENT, None, trained_overlap({"opt": {"no_overlap": True}}), "w.pt")
+    assert not full.overlap and "opt.no_overlap" in why and full.training_masks == "full"
+    assert training_task(SEGMENT, True, False, "w.pt")[0].overlap  # the flag wins over the record
+    assert training_task(SEGMENT, None, trained_overlap({"opt": {}}), "w.pt")[0] == SEGMENT  # unrecorded: upstream's
+    assert training_record({"opt": {"no_overlap": True, "save_dir": "/home/x"}}) == {"opt": {"no_overlap": True}}
+    with pytest.raises(ValueError, match="--no-overlap: --weights w.pt is a detector"):
+        training_task(DETECT, False, None, "w.pt")
+    batch = {t.overlap: next(iter(t.dataloader(nested_squares["val"], 160, 1, 32, pad=0.5, workers=0)[0]))
+             for t in (SEGMENT, full)}
+    assert batch[True][4].shape == (1, 40, 40) and (batch[True][4] == 1).sum() < 30 * 30  # the large one cut
+    masks = batch[False][4]
+    assert masks.shape == (2, 40, 40) and masks[0].sum() == 30 * 30 and masks[1].sum() == 10 * 10  # each whole
+    model = load_float_model(TRAINED_SEG).train()
+    model.hyp = yaml.safe_load((checkout / "data/hyps/hyp.scratch-high.yaml").read_text())
+    images, targets = batch[False][0].float() / 255, batch[False][1]
+    preds = model(images)
+    loss = full.loss(model)(preds, targets, masks)
+    assert loss == ComputeLoss(model, overlap=False)(preds, targets, masks.float())[0]
+    assert loss != SEGMENT.loss(model)(preds, targets, masks)  # the same masks read as one per image score otherwise
+
+
 def test_masks_score_as_their_boxes_among_predictions_of_other_classes(checkout, nested_squares):
     """The evaluation makes masks only for the predictions of a labelled class (the others cannot match one); each
     of those masks must still be judged as its own prediction. Masks equal to their boxes score exactly as the boxes
@@ -349,14 +384,16 @@ def test_float_training_records_a_segmenter_from_upstreams_segment_train(checkou
     """scripts/train_float.py with --train-script segment/train.py: upstream's real run (1 epoch on COCO128
     photographs with polygons, 64 px) and its results.csv of box (B) and mask (M) columns, plus the final validation
     row segment/train.py appends without its loss columns, which is no epoch: the record has the box and mask curve
-    on select, the best epoch by box + mask, and the weights' sha256."""
+    on select, the best epoch by box + mask, and the weights' sha256. A segmenter trains on full instance masks
+    (upstream's --no-overlap) unless --overlap is given, and its weights keep that for the fine-tune."""
+    from models.quantization.checkpoint import read_checkpoint, trained_overlap
     from utils.provenance import sha256
     out = tmp_path / "out"
     cfg = REPO / "assets" / "gelan-t-seg.yaml"
     r = run_cli("scripts/train_float.py", "--data", _coco128_seg(tmp_path), "--cfg", cfg, "--name", "seg",
                 "--out", out, "--train-script", "segment/train.py", "--imgsz", 64, "--batch", 32, "--epochs", 1,
                 "--workers", 0, "--device", "cpu", "--project", tmp_path / "runs", "--split-dir", tmp_path / "split",
-                "--weights-out", tmp_path / "w" / "seg.pt", "--no-overlap", timeout=600)
+                "--weights-out", tmp_path / "w" / "seg.pt", timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     header = (out / "results.csv").read_text().splitlines()[0]
     assert "metrics/mAP_0.5:0.95(M)" in header  # upstream's segmentation columns, read as they are
@@ -365,6 +402,7 @@ def test_float_training_records_a_segmenter_from_upstreams_segment_train(checkou
     assert {"best_select_map", "best_select_map50", "best_select_mask_map", "best_select_mask_map50"} <= set(t)
     assert t["weights_sha256"] == sha256(tmp_path / "w" / "seg.pt") and (out / "curve.png").stat().st_size > 0
     assert "masks" in r.stdout and t["upstream_args"]["no_overlap"] is True  # full instance masks, as scored
+    assert trained_overlap(read_checkpoint(tmp_path / "w" / "seg.pt")) is False
     r = call_cli("scripts/train_float.py", "--data", tmp_path / "coco128-seg.yaml", "--cfg", "x.yaml", "--name", "d",
                  "--out", tmp_path / "d", "--no-overlap")  # upstream's train.py has no such flag
     assert r.returncode == 2 and "--no-overlap" in r.stderr and not (tmp_path / "d").exists()

@@ -4,11 +4,12 @@ A `Task` is the one place that knows the difference: the names of the exported o
 (segmentation batches carry instance masks), upstream's training loss, the metrics reported and the score that
 picks a best epoch. The pipeline, the evaluation loop and the export take it as a parameter. It is read off a
 PyTorch model (a head with a prototype branch) or off a deployed graph's outputs (a prototype output), by one
-rule: a model that outputs mask prototypes is a segmentation model.
+rule: a model that outputs mask prototypes is a segmentation model. A segmentation task also says which masks its
+fine-tune trains on: the ones the float model was trained on (`trained_with`), so that the loader and the loss agree.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -28,20 +29,33 @@ class Task:
     name: str
     output_names: tuple[str, ...]
     metric_keys: tuple[str, ...]
+    overlap: bool = True  # segmentation training masks: one per image (upstream's default) or each instance's own
 
     @property
     def has_masks(self) -> bool:
-        return self is SEGMENT
+        return PROTOTYPES in self.output_names
+
+    def trained_with(self, overlap: bool) -> Task:
+        """This task training on one mask per image (`overlap`) or on every instance's full mask (upstream's
+        --no-overlap). A fine-tune trains on what its float model was trained on: a model that learned full masks
+        and is fine-tuned on overlap masks learns to cut the smaller instances out of the larger ones again."""
+        return replace(self, overlap=overlap) if self.has_masks else self
+
+    @property
+    def training_masks(self) -> str | None:
+        """How the training masks are made, for reports: "overlap" or "full" (None: no masks)."""
+        return ("overlap" if self.overlap else "full") if self.has_masks else None
 
     def dataloader(self, path, imgsz: int, batch_size: int, stride: int, scoring: bool = False, **kwargs):
         """Upstream's loader for the task: (loader, dataset). Segmentation batches also carry the instance masks:
-        for training (the loss), overlapping instances in one mask per image at 1/4 resolution, as upstream trains;
-        for `scoring`, every instance's full mask at the input's resolution, as upstream's segment/val.py scores
-        (with one mask per image, a smaller instance cuts its area out of a larger one it lies on: a damage on a
-        panel takes a median 26-35 % out of most panels of cardamage-seg's val labels)."""
+        for training (the loss), at 1/4 resolution, overlapping instances in one mask per image as upstream trains
+        by default, or each instance's own (`overlap` off); for `scoring`, every instance's full mask at the input's
+        resolution, as upstream's segment/val.py scores (with one mask per image, a smaller instance cuts its area
+        out of a larger one it lies on: a damage on a panel takes a median 26-35 % out of most panels of
+        cardamage-seg's val labels)."""
         if self.has_masks:
             from utils.segment.dataloaders import create_dataloader
-            return create_dataloader(path, imgsz, batch_size, stride, overlap_mask=not scoring,
+            return create_dataloader(path, imgsz, batch_size, stride, overlap_mask=self.overlap and not scoring,
                                      mask_downsample_ratio=1 if scoring else MASK_DOWNSAMPLE, **kwargs)
         from utils.dataloaders import create_dataloader
         return create_dataloader(path, imgsz, batch_size, stride, **kwargs)
@@ -57,10 +71,10 @@ class Task:
 
     def loss(self, model: nn.Module):
         """Upstream's training loss for `model` (which must carry `hyp`): a callable
-        (predictions, targets, masks) -> loss summed over the batch."""
+        (predictions, targets, masks) -> loss summed over the batch; masks as this task's training loader makes them."""
         if self.has_masks:
             from utils.segment.loss_tal import ComputeLoss
-            compute = ComputeLoss(model, overlap=True)
+            compute = ComputeLoss(model, overlap=self.overlap)
             return lambda preds, targets, masks: compute(preds, targets, masks.float())[0]
         from utils.loss_tal import ComputeLoss
         compute = ComputeLoss(model)

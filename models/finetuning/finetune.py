@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from models.core.losses import feature_maps, head_distillation
-from models.core.task import task_of
+from models.core.task import Task, task_of
 from models.finetuning.fast_step import EAGER, StepPlan, begin_step, teacher_mode
 from models.quantization.held_state import held
 from models.quantization.quantize import learnable_amax_parameters
@@ -124,11 +124,13 @@ class QATObjective:
     Call with a batch (images 0-1, upstream targets, instance masks for segmentation); returns the total loss
     and its parts (floats). `forward` runs the student (a DistributedDataParallel wrapper of it, in a distributed
     job); the layer taps and the loss read the student itself. `teacher_forward` runs the teacher (compiled, in
-    the fast step: models/finetuning/fast_step.py). Use as a context manager: the layer hooks are removed on exit.
+    the fast step: models/finetuning/fast_step.py). `task`: the run's (its training masks, which the loss reads as
+    the loader makes them); by default the student's, with upstream's default masks. Use as a context manager: the
+    layer hooks are removed on exit.
     """
 
     def __init__(self, recipe: QATRecipe, student: nn.Module, teacher: nn.Module, hyp: dict | None = None,
-                 forward: nn.Module | None = None, teacher_forward: nn.Module | None = None):
+                 forward: nn.Module | None = None, teacher_forward: nn.Module | None = None, task: Task | None = None):
         self.recipe, self.student, self.teacher = recipe, student, teacher
         self.forward = student if forward is None else forward  # DistributedDataParallel(student) when distributed
         self.teacher_forward = teacher if teacher_forward is None else teacher_forward
@@ -142,7 +144,7 @@ class QATObjective:
             if hyp is None:
                 raise ValueError("--det-loss needs the training hyperparameters (--hyp)")
             student.hyp = hyp  # upstream's loss reads its class-loss settings from model.hyp
-            self.det_loss = task_of(student).loss(student)
+            self.det_loss = (task or task_of(student)).loss(student)  # the run's task: its loader's masks
 
     def __enter__(self):
         return self

@@ -194,12 +194,30 @@ def copy_checkpoint(saved: str | Path, path: str | Path) -> Path:
     return atomic_write(path, lambda tmp: shutil.copyfile(saved, tmp))
 
 
-def load_float_model(weights: str | Path, device: torch.device | str = "cpu", trust: bool = False) -> nn.Module:
-    """A reparameterized (converted) float YOLO checkpoint, fused (Conv+BN, RepConvN) and in eval mode.
+def load_float_model(weights: str | Path, device: torch.device | str = "cpu", trust: bool = False,
+                     ckpt: dict | None = None) -> nn.Module:
+    """A reparameterized (converted) float YOLO checkpoint, fused (Conv+BN, RepConvN) and in eval mode. `ckpt`: the
+    file's checkpoint dict where the caller has read it already.
 
     Training checkpoints with the auxiliary PGI branch are refused: run reparameterization.py first.
     """
-    return _float_model(read_checkpoint(weights, trust), weights).to(device).eval()
+    return _float_model(ckpt or read_checkpoint(weights, trust), weights).to(device).eval()
+
+
+def trained_overlap(ckpt: dict) -> bool | None:
+    """How a segmenter's float training made its masks, as upstream's checkpoints record it (`opt`, the training's
+    options): True for one mask per image (upstream's default), False for every instance's own (--no-overlap),
+    None where the file does not say."""
+    opt = ckpt.get("opt")
+    no_overlap = opt.get("no_overlap") if isinstance(opt, dict) else None
+    return None if no_overlap is None else not no_overlap
+
+
+def training_record(ckpt: dict) -> dict:
+    """What a checkpoint derived from a training one (compacted, converted) keeps of upstream's training options:
+    how its masks were trained, which its fine-tune follows; nothing else of them (they hold local paths)."""
+    overlap = trained_overlap(ckpt)
+    return {} if overlap is None else {"opt": {"no_overlap": not overlap}}
 
 
 def load_quantized_model(weights: str | Path, device: torch.device | str = "cpu", trust: bool = False) -> nn.Module:
