@@ -421,19 +421,22 @@ def test_benchmark_folders_are_named_by_what_decides_their_numbers():
 def test_benchmark_steps_run_with_the_callers_thread_count_not_upstreams(demo_data):
     """Loading a model imports upstream's utils.general, which sets OMP_NUM_THREADS to min(8, cores - 1) in the
     process's environment; the benchmark's steps still get the count the caller gave (9: a count upstream never
-    sets), and without one, with two jobs at a time, each its half of the cores."""
+    sets), and without one, with two jobs at a time, each its half of the cores. On the CPU, where the steps' math
+    runs on those threads, the count is shared by every step that can run at once: 2 jobs in each of 4 phases."""
     probe = ("import importlib.util, os, sys; "
              "spec = importlib.util.spec_from_file_location('ba', 'scripts/benchmark_accuracy.py'); "
              "m = sys.modules['ba'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
              f"opt = m.parse_opt(['--data', {str(demo_data)!r}, '--jobs', '2']); "
              "os.environ['OMP_NUM_THREADS'] = '9'; given = m.bench_from(opt); "
+             "os.environ['OMP_NUM_THREADS'] = '17'; cpu = m.bench_from(m.parse_opt(['--data', "
+             f"{str(demo_data)!r}, '--jobs', '2', '--device', 'cpu'])); "
              "del os.environ['OMP_NUM_THREADS']; unset = m.bench_from(opt); import utils.general; "
-             "print(os.environ['OMP_NUM_THREADS'], *(b.step_env['OMP_NUM_THREADS'] for b in (given, unset)))")
+             "print(os.environ['OMP_NUM_THREADS'], *(b.step_env['OMP_NUM_THREADS'] for b in (given, unset, cpu)))")
     r = subprocess.run([sys.executable, "-c", probe], cwd=CHECKOUT, text=True, capture_output=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    upstream, given, unset = r.stdout.split()
+    upstream, given, unset, cpu = r.stdout.split()
     assert upstream == str(min(8, max(1, os.cpu_count() - 1)))  # what every step would otherwise inherit
-    assert given == "9" and unset == str(max(1, os.cpu_count() // 2))
+    assert given == "9" and unset == str(max(1, os.cpu_count() // 2)) and cpu == str(17 // (2 * 4))
 
 
 def _published_runs(tmp_path, folder: str):

@@ -19,6 +19,10 @@ from utils.datasplit import image_files
 from utils.io_utils import atomic_write, write_json
 
 
+PHASES_AT_ONCE = 4  # scripts/benchmark_accuracy.py starts the float model's, the default command's, its control's
+#                    and its --max-loss variant's phases together, each with --jobs runs at a time
+
+
 @dataclass(frozen=True)
 class Bench:
     dataset: str
@@ -53,11 +57,16 @@ class Bench:
 
     @property
     def step_env(self) -> dict[str, str]:
-        """Each step's environment: the thread count the caller set, else with several jobs at a time each job's
-        share of the CPUs for its math threads (more OpenMP threads than cores spin against each other: two jobs of
-        two threads on two cores ran auto's range computations 20x slower)."""
+        """Each step's environment. More OpenMP threads than cores spin against each other (two jobs of two threads
+        on two cores ran auto's range computations 20x slower), so: on a GPU, where a step's math is not on those
+        threads, the thread count the caller set, else with several jobs at a time each job's share of the CPUs; on
+        the CPU, each step that can run at once (--jobs in each phase going side by side) gets its share of the
+        caller's count, else of the CPUs (the test's benchmark on 2 cores: 302 s with 2 threads a step, 72 s with 1)."""
         env = dict(os.environ)
-        if self.threads:
+        if self.device == "cpu":
+            budget = int(self.threads) if self.threads else (os.cpu_count() or 1)
+            env["OMP_NUM_THREADS"] = str(max(1, budget // (self.jobs * PHASES_AT_ONCE)))
+        elif self.threads:
             env["OMP_NUM_THREADS"] = self.threads
         elif self.jobs > 1:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.jobs))
