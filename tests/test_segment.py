@@ -381,18 +381,20 @@ needs_coco128_seg = pytest.mark.skipif(SHARED is None or not (SHARED / "datasets
 
 @needs_coco128_seg
 def test_float_training_records_a_segmenter_from_upstreams_segment_train(checkout, tmp_path):
-    """scripts/train_float.py with --train-script segment/train.py: upstream's real run (1 epoch on COCO128
-    photographs with polygons, 64 px) and its results.csv of box (B) and mask (M) columns, plus the final validation
-    row segment/train.py appends without its loss columns, which is no epoch: the record has the box and mask curve
-    on select, the best epoch by box + mask, and the weights' sha256. A segmenter trains on full instance masks
-    (upstream's --no-overlap) unless --overlap is given, and its weights keep that for the fine-tune."""
+    """scripts/train_float.py with --train-script segment/train.py: upstream's real run (1 epoch on 8 COCO128
+    photographs with polygons, 64 px; its select split 8 more) and its results.csv of box (B) and mask (M) columns,
+    plus the final validation row segment/train.py appends without its loss columns, which is no epoch: the record
+    has the box and mask curve on select, the best epoch by box + mask, and the weights' sha256. A segmenter trains
+    on full instance masks (upstream's --no-overlap) unless --overlap is given, and its weights keep that for the
+    fine-tune."""
     from models.quantization.checkpoint import read_checkpoint, trained_overlap
     from utils.provenance import sha256
     out = tmp_path / "out"
     cfg = REPO / "assets" / "gelan-t-seg.yaml"
-    r = run_cli("scripts/train_float.py", "--data", _coco128_seg(tmp_path), "--cfg", cfg, "--name", "seg",
-                "--out", out, "--train-script", "segment/train.py", "--imgsz", 64, "--batch", 32, "--epochs", 1,
-                "--workers", 0, "--device", "cpu", "--project", tmp_path / "runs", "--split-dir", tmp_path / "split",
+    data = _coco128_seg(tmp_path, val=8, train=16)
+    r = run_cli("scripts/train_float.py", "--data", data, "--cfg", cfg, "--name", "seg", "--out", out,
+                "--train-script", "segment/train.py", "--imgsz", 64, "--batch", 32, "--epochs", 1, "--workers", 0,
+                "--device", "cpu", "--project", tmp_path / "runs", "--split-dir", tmp_path / "split",
                 "--weights-out", tmp_path / "w" / "seg.pt", timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     header = (out / "results.csv").read_text().splitlines()[0]
