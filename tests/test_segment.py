@@ -360,9 +360,10 @@ def test_masks_score_as_their_boxes_among_predictions_of_other_classes(checkout,
         {k: m[k] for k in ("ap", "ap50", "precision", "recall")}
 
 
-def _coco128_seg(tmp_path: Path, val: int = 28, train: int | None = None) -> Path:
+def _coco128_seg(tmp_path: Path, val: int = 8, train: int = 16) -> Path:
     """shared/datasets/coco128-seg-416 as a yaml of absolute paths whose last `val` images are val and the first
-    `train` (default: the rest) train (it ships train = val, which a select split refuses)."""
+    `train` train (it ships train = val, which a select split refuses): 16 train images carve into 8 fit and 8
+    select."""
     import yaml
     src = SHARED / "datasets" / "coco128-seg-416"
     data = yaml.safe_load((src / "data.yaml").read_text())
@@ -391,7 +392,7 @@ def test_float_training_records_a_segmenter_from_upstreams_segment_train(checkou
     from utils.provenance import sha256
     out = tmp_path / "out"
     cfg = REPO / "assets" / "gelan-t-seg.yaml"
-    data = _coco128_seg(tmp_path, val=8, train=16)
+    data = _coco128_seg(tmp_path)
     r = run_cli("scripts/train_float.py", "--data", data, "--cfg", cfg, "--name", "seg", "--out", out,
                 "--train-script", "segment/train.py", "--imgsz", 64, "--batch", 32, "--epochs", 1, "--workers", 0,
                 "--device", "cpu", "--project", tmp_path / "runs", "--split-dir", tmp_path / "split",
@@ -419,7 +420,7 @@ def test_benchmark_entry_of_a_segmenter_is_written_resumed_and_rendered(checkout
     from the kept ranges (FP32 and FP16, plain and end to end) have ONNX Runtime rows of both, lint clean; a second
     run reruns nothing; the tables render boxes and masks and pass --check."""
     from models.yolo import SegmentationModel
-    data = _coco128_seg(tmp_path, val=8, train=16)
+    data = _coco128_seg(tmp_path)
     torch.manual_seed(0)
     model = SegmentationModel(str(REPO / "assets" / "gelan-t-seg.yaml"), nc=80).eval()
     weights = save_float_checkpoint(model, tmp_path / "gelan-t-seg.pt")
