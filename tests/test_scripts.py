@@ -179,8 +179,9 @@ def bench_run(demo_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     modelopt = importlib.util.find_spec("modelopt") is not None
     args = ["--dataset", "demo", "--models", f"gelan-t={TRAINED_T}", "--data", demo_data, "--imgsz", IMGSZ,
-            "--batch-size", 2, "--device", "cpu", "--workers", 0, "--seeds", 0, 1, "--methods", "max", "mse",
-            "--qat-epochs", 1, "--iters", 1, "--calib-batches", 1, "--jobs", 2, "--ort-seeds", 1, "--max-loss", 0,
+            "--batch-size", 2, "--device", "cpu", "--workers", 0, "--seeds", 0, 1, "--methods", "max",
+            "percentile-99.9", "--qat-epochs", 1, "--iters", 1, "--calib-batches", 1, "--jobs", 2, "--ort-seeds", 1,
+            "--max-loss", 0,
             "--work", tmp / "work", "--out", tmp / "results", "--ablation", "det-3",
             *(["--modelopt"] if modelopt else [])]
     r = run_cli("scripts/benchmark_accuracy.py", *args, timeout=1500)
@@ -213,7 +214,7 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(bench_run, demo
         f"CPU (torch {prov['machine']['torch']})"]  # the steps' own logs: where they ran
     # the choice is the method with the best mean on select, whatever val says
     means = {m: sum(r["select"]["ap"] for r in runs.values()) / 2 for m, runs in e["ptq"].items()}
-    assert e["ptq_choice"] == max(means, key=means.get) and set(e["ptq"]) == {"max", "mse"}
+    assert e["ptq_choice"] == max(means, key=means.get) and set(e["ptq"]) == {"max", "percentile-99.9"}
     assert all(r["val"]["ap"] > 0 for runs in e["ptq"].values() for r in runs.values())
     reports = {s: json.loads((work / "demo" / "gelan-t" / f"qat-seed{s}" / "report.json").read_text()) for s in (0, 1)}
     for m, runs in e["ptq"].items():  # each row is the default command's candidate, as measured in the run
@@ -266,6 +267,9 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(bench_run, demo
     det3 = json.loads((work / "demo" / "gelan-t" / "ablation-det-3-seed0" / "report.json").read_text())
     assert det3["config"]["qat"]["det_loss"] == 3 and det3["select"]["fingerprint"] == report["select"]["fingerprint"]
     assert a["variants"]["det-3"]["select_last"]["values"][0] == det3["qat"][-1]["ap"]
+    measured = [f.parent for f in work.rglob("val_trt.json")]  # each measurement's log is its own, whole name kept
+    assert any(m.name.endswith("percentile-99.9") for m in measured)  # a name with a dot, not cut at it
+    assert all(f"name={m.name}," in m.with_name(m.name + ".log").read_text() for m in measured)
     assert "final_file" not in json.dumps(e) and "calibration_images" not in json.dumps(e)  # no machine-local paths
     assert sorted(p.name for p in tmp.iterdir()) == ["results", "work"]  # nothing beside --out and --work
     again = call_cli("scripts/benchmark_accuracy.py", *args)

@@ -97,6 +97,12 @@ def run_step(cmd: list[str], log: Path, env: dict[str, str]) -> None:
         raise RuntimeError(f"{shlex.join(cmd)} failed (exit {r.returncode}); log {log}:\n{log.read_text()[-1500:]}")
 
 
+def log_beside(step_output: Path) -> Path:
+    """A step's log: its output's whole name + .log (with_suffix would cut 'val-ptq-percentile-99.9' at the dot, and
+    the candidates 99.9, 99.99 and 99.999, measured side by side, would write one file)."""
+    return step_output.with_name(step_output.name + ".log")
+
+
 def quantize_run(args: list[str], save_dir: Path, env: dict[str, str]) -> dict:
     """A `qat.py quantize` run (resumed where it stopped); its report. A folder made with other arguments is an
     error, not a result: its numbers would be reported as this run's."""
@@ -110,7 +116,7 @@ def quantize_run(args: list[str], save_dir: Path, env: dict[str, str]) -> dict:
     if not (report.is_file() and json.loads(report.read_text()).get("finished")):
         resume = ["--resume", str(save_dir)] if report.is_file() else \
             [*args, "--project", str(save_dir.parent), "--name", save_dir.name, "--exist-ok"]
-        run_step([sys.executable, "qat.py", "quantize", *resume], save_dir.with_name(save_dir.name + ".log"), env)
+        run_step([sys.executable, "qat.py", "quantize", *resume], log_beside(save_dir), env)
     return json.loads(report.read_text())
 
 
@@ -142,7 +148,7 @@ def measure(model: Path, data: Path, out: Path, bench: Bench) -> dict:
                                                                              "0" if device.isdigit() else device]
         run_step([sys.executable, "val_trt.py", *source, "--data", str(data), "--imgsz", str(bench.imgsz),
                   "--batch-size", "8", "--workers", str(bench.workers), "--project", str(out.parent), "--name",
-                  out.name, "--exist-ok"], out.with_suffix(".log"), bench.env_for(device))
+                  out.name, "--exist-ok"], log_beside(out), bench.env_for(device))
     return scored(json.loads(result.read_text()))
 
 
