@@ -172,6 +172,7 @@ class ModelBench:
                     "best_epoch": best["epoch"], **select_curves(epochs), "val_best": val_best,
                     "val_last": val_last, "final": {"stage": final["stage"], "epoch": final["epoch"]},
                     "val_final": ptq_val if final["stage"] == "ptq" else val_best, "final_file": final["file"],
+                    **({"training_masks": r["training_masks"]} if r.get("training_masks") else {}),
                     **({"mixed_precision": mixed_summary(r["mixed_precision"])} if "mixed_precision" in r else {})}
         with self.pool() as pool:
             return dict(zip(reports, pool.map(one, reports)))

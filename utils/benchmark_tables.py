@@ -164,7 +164,11 @@ def model_table(e: dict, metric: str = "ap") -> str:
     peer = f"; Model Optimizer rows added later on {_where(prov['peer']['machine'])}, commit " \
            f"{_commit(prov['peer']['commit'])}" if "peer" in prov else ""
     what = ("masks" if metric == "mask_ap" else "boxes") if "mask" in e["summary"] else ""
-    lines = [f"**{e['model']}** on {e['dataset']}{', ' + what if what else ''} ({prov['split']['images']['val']} val "
+    trained_on = {r.get("training_masks") for r in e.get("qat", {}).values()} - {None}  # older entries: none kept
+    fine_tuned = f" fine-tuned on {'full instance masks' if trained_on == {'full'} else 'one mask per image'}" \
+        if what == "masks" and len(trained_on) == 1 else ""
+    lines = [f"**{e['model']}** on {e['dataset']}{', ' + what if what else ''}{fine_tuned} "
+             f"({prov['split']['images']['val']} val "
              f"images, imgsz {e['imgsz']}; {seeds} seeds; {_where_measured(prov)}; commit {_commit(prov['commit'])}"
              f"{peer})", "",
              f"| Stage | {what.capitalize() + ' ' if what else ''}mAP50-95 val, mean ± std (seeds) | mAP50-95 select |",
