@@ -37,6 +37,7 @@ from utils.benchmark_steps import (Bench, calibration_array, export, images_per_
                                    scored, select_curves, step_devices, yaml_split)
 # calibration, not quantization.quantize: that imports upstream's models.common
 from models.quantization.calibration import AUTO_CANDIDATES, calib_method_flags  # noqa: E402
+from models.deployment.runners import ort_fp16_qdq_problem  # noqa: E402
 from utils.benchmark_tables import model_table, render, summarize  # noqa: E402
 from utils.datasplit import write_split  # noqa: E402
 from utils.io_utils import atomic_write, write_json  # noqa: E402
@@ -564,6 +565,12 @@ def parse_opt(argv=None):
                 "(./install_dependencies.sh --modelopt)")
     if sum((opt.add_peer, opt.add_ranges, opt.add_ort)) > 1:
         p.error("--add-peer, --add-ranges and --add-ort: one at a time")
+    if opt.models and (opt.add_ort or not (opt.add_peer or opt.add_ranges or "ort" in opt.skip)):
+        # the FP16 graphs' rows come last: refused now, not after every other step has run
+        import onnxruntime
+        if problem := ort_fp16_qdq_problem(onnxruntime.__version__):
+            p.error(f"--add-ort: {problem}" if opt.add_ort else f"the ONNX Runtime rows (FP16 graphs): {problem}, "
+                    "or --skip ort")
     if opt.check and not opt.render:
         p.error("--check goes with --render")
     return opt

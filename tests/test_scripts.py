@@ -293,6 +293,27 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(bench_run, demo
     table.write_text(rendered)
 
 
+def test_benchmark_refuses_an_onnxruntime_that_misreads_fp16_graphs_before_any_step(demo_data, tmp_path, monkeypatch):
+    """onnxruntime < 1.32 truncates FP16 QuantizeLinear, so the FP16 graphs' rows, the benchmark's last steps, would
+    fail after every other step had run (on a GPU machine: all its QAT runs): refused at the start in one line,
+    nothing written; without those rows (--skip ort) it goes on."""
+    import onnxruntime
+    from conftest import TRAINED_T
+    from models.deployment.runners import ort_fp16_qdq_problem
+    assert ort_fp16_qdq_problem("1.31.1") and ort_fp16_qdq_problem("1.32.0") is None
+    assert ort_fp16_qdq_problem("2.0.0") is None
+    monkeypatch.setattr(onnxruntime, "__version__", "1.30.0")
+    work, out = tmp_path / "work", tmp_path / "out"
+    base = ["--dataset", "demo", "--models", f"gelan-t={TRAINED_T}", "--data", demo_data, "--work", work, "--out", out]
+    for extra, names in (([], "--skip ort"), (["--add-ort", "--seeds", 0], "--add-ort: onnxruntime 1.30.0")):
+        r = call_cli("scripts/benchmark_accuracy.py", *base, *extra)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and "onnxruntime 1.30.0" in lines[-1] and names in lines[-1], r.stderr
+    assert not work.exists() and not out.exists()
+    parse = sys.modules["cli_benchmark_accuracy"].parse_opt
+    assert parse([str(a) for a in (*base, "--skip", "ort")]).skip == ["ort"]
+
+
 def test_benchmark_peer_calibrates_on_our_images_and_is_added_to_an_entry_later(bench_run):
     """Model Optimizer's PTQ beside ours: calibrated on the very images ours did, its joins counted by our lint; added
     with --add-peer to an entry made without it whose run folders are gone, for some of its seeds (the sample of a

@@ -57,16 +57,22 @@ class TorchRunner:
 ORT_FP16_QUANTIZE_FIXED = (1, 32)  # earlier CPU kernels truncate FP16 QuantizeLinear (onnxruntime PR 32452)
 
 
+def ort_fp16_qdq_problem(version: str) -> str | None:
+    """Why onnxruntime `version` cannot evaluate an FP16 Q/DQ graph, or None where it can."""
+    if tuple(int(v) for v in version.split(".")[:2]) >= ORT_FP16_QUANTIZE_FIXED:
+        return None
+    return (f"onnxruntime {version} evaluates FP16 Q/DQ graphs wrongly (its CPU QuantizeLinear truncates FP16 "
+            "instead of rounding); use onnxruntime >= 1.32")
+
+
 def ort_session(path: str | Path, optimize: bool = False):
     """CPU session. Without `optimize`, ONNX Runtime executes the Q/DQ graph as written (DQ then float ops),
     which is the arithmetic the PyTorch fake-quant model does; with it, ORT fuses into its own int8 kernels.
     An FP16 Q/DQ graph needs onnxruntime >= 1.32: older CPU kernels round FP16 QuantizeLinear toward zero."""
     import onnxruntime as ort
-    version = tuple(int(v) for v in ort.__version__.split(".")[:2])
-    if version < ORT_FP16_QUANTIZE_FIXED and _has_fp16_quantize(path):
-        raise ValueError(f"{path}: an FP16 Q/DQ graph, which onnxruntime {ort.__version__} evaluates wrongly (its CPU "
-                         "QuantizeLinear truncates FP16 instead of rounding); use onnxruntime >= 1.32, or export "
-                         "with --dtype fp32 to check it here")
+    problem = ort_fp16_qdq_problem(ort.__version__)
+    if problem and _has_fp16_quantize(path):
+        raise ValueError(f"{path}: an FP16 Q/DQ graph: {problem}, or export with --dtype fp32 to check it here")
     so = ort.SessionOptions()
     so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                    else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
