@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import REPO, SHARED, call_cli, end2end_result, one_box, run_cli, save_float_checkpoint
 
 TRAINED_SEG = REPO / "assets" / "gelan-t-seg-demo.pt"
@@ -413,26 +414,29 @@ def test_float_training_records_a_segmenter_from_upstreams_segment_train(checkou
 
 @needs_coco128_seg
 def test_benchmark_entry_of_a_segmenter_is_written_resumed_and_rendered(checkout, tmp_path):
-    """scripts/benchmark_accuracy.py on a segmenter (gelan-t-seg, 24 COCO128 photographs with polygons at 128 px, 16
-    train (8 fit, 8 select) and 8 val; random weights: no COCO model exists offline, so this checks the path, not
-    accuracy, and each of its dozen evaluations needs only a few images with instances): every measured stage
-    carries box and mask metrics, the summary has the masks' own, the delivered graph and the PTQ graphs rebuilt
-    from the kept ranges (FP32 and FP16, plain and end to end) have ONNX Runtime rows of both, lint clean; a second
-    run reruns nothing; the tables render boxes and masks and pass --check."""
+    """scripts/benchmark_accuracy.py on a segmenter (the tiny GELAN with gelan-c-seg's head: its path, not its
+    accuracy, so the fewest layers to export a dozen times; 24 COCO128 photographs with polygons at 128 px, 16 train
+    (8 fit, 8 select) and 8 val; random weights: no COCO model exists offline): every measured stage carries box and
+    mask metrics, the summary has the masks' own, the delivered graph and the PTQ graphs rebuilt from the kept
+    ranges (FP32 and FP16, plain and end to end) have ONNX Runtime rows of both, lint clean; a second run reruns
+    nothing; the tables render boxes and masks and pass --check."""
+    from conftest import tiny_gelan
     from models.yolo import SegmentationModel
     data = _coco128_seg(tmp_path)
+    cfg = tmp_path / "tiny-gelan-seg.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_gelan(80, segment=True)))
     torch.manual_seed(0)
-    model = SegmentationModel(str(REPO / "assets" / "gelan-t-seg.yaml"), nc=80).eval()
-    weights = save_float_checkpoint(model, tmp_path / "gelan-t-seg.pt")
+    model = SegmentationModel(str(cfg), nc=80).eval()
+    weights = save_float_checkpoint(model, tmp_path / "tiny-gelan-seg.pt")
     out, work = tmp_path / "results", tmp_path / "work"
-    args = ["--dataset", "coco128seg", "--models", f"gelan-t-seg={weights}", "--data", data, "--imgsz", 128,
+    args = ["--dataset", "coco128seg", "--models", f"tiny-gelan-seg={weights}", "--data", data, "--imgsz", 128,
             "--batch-size", 4, "--device", "cpu", "--workers", 0, "--seeds", 0, "--methods", "max", "--qat-epochs", 1,
             "--iters", 1, "--calib-batches", 1, "--skip", "fp_ft", "--work", work, "--out", out]
     r = run_cli("scripts/benchmark_accuracy.py", *args, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     r = run_cli("scripts/benchmark_accuracy.py", *args, "--add-ort", timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    e = json.loads((out / "coco128seg" / "gelan-t-seg" / "entry.json").read_text())
+    e = json.loads((out / "coco128seg" / "tiny-gelan-seg" / "entry.json").read_text())
     both = {"ap", "ap50", "mask_ap", "mask_ap50"}
     measured = [e["fp"]["val"], e["fp"]["select"], e["ptq"]["max"]["0"]["val"], e["qat"]["0"]["val_final"],
                 e["ort"]["fp32"]["0"]["val"], e["ort"]["fp16"]["0"]["val"],
@@ -444,7 +448,7 @@ def test_benchmark_entry_of_a_segmenter_is_written_resumed_and_rendered(checkout
     again = call_cli("scripts/benchmark_accuracy.py", *args)
     assert again.returncode == 0 and not [line for line in again.stdout.splitlines() if line.startswith("+ ")]
     rendered = (out / "accuracy.md").read_text()
-    assert "**gelan-t-seg** on coco128seg, boxes" in rendered
-    assert "**gelan-t-seg** on coco128seg, masks fine-tuned on one mask per image (" in rendered
+    assert "**tiny-gelan-seg** on coco128seg, boxes" in rendered
+    assert "**tiny-gelan-seg** on coco128seg, masks fine-tuned on one mask per image (" in rendered
     r = call_cli("scripts/benchmark_accuracy.py", "--render", "--check", "--out", out)
     assert r.returncode == 0, r.stdout + r.stderr
