@@ -104,6 +104,13 @@ def demo_data() -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_data16() -> Path:
+    """demo_data's distribution, 16 train / 8 val: the accuracy benchmark's (select, fit and val of 8 images each;
+    its dozens of evaluations cost per image)."""
+    return _demo("demo160-16", "--train", 16, "--val", 8, "--imgsz", IMGSZ, "--seed", 3)
+
+
+@pytest.fixture(scope="session")
 def demo_data320() -> Path:
     """The demo dataset's distribution at 320 px (what assets/gelan-t-demo.pt was trained on), new images: 16 train /
     40 val (the val images are measured again and again at 320 px: runtime tolerances are counted in boxes,

@@ -170,7 +170,7 @@ def test_patch_with_a_relative_target_from_another_folder(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def bench_run(demo_data, tmp_path_factory):
+def bench_run(demo_data16, tmp_path_factory):
     """The accuracy benchmark's whole path at tiny size, once, with the trained demo gelan-t (its mAPs are not 0:
     every comparison below compares real numbers): 2 seeds, the default command with its float control and its
     --max-loss 0 variant, one recipe variant; with Model Optimizer's PTQ where nvidia-modelopt is installed."""
@@ -178,7 +178,7 @@ def bench_run(demo_data, tmp_path_factory):
     from conftest import TRAINED_T
     tmp = tmp_path_factory.mktemp("bench")
     modelopt = importlib.util.find_spec("modelopt") is not None
-    args = ["--dataset", "demo", "--models", f"gelan-t={TRAINED_T}", "--data", demo_data, "--imgsz", IMGSZ,
+    args = ["--dataset", "demo", "--models", f"gelan-t={TRAINED_T}", "--data", demo_data16, "--imgsz", IMGSZ,
             "--batch-size", 2, "--device", "cpu", "--workers", 0, "--seeds", 0, 1, "--methods", "max",
             "percentile-99.9", "--qat-epochs", 1, "--iters", 1, "--calib-batches", 1, "--jobs", 2, "--ort-seeds", 1,
             "--max-loss", 0,
@@ -196,7 +196,7 @@ def on_seed_one(args: list) -> list[str]:
         [str(a) for a in args[args.index("--methods"):] if a != "--modelopt"]
 
 
-def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(bench_run, demo_data):
+def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(bench_run, demo_data16):
     """The select split (the one qat.py carves itself), every calibration candidate per seed from the default
     command's one calibration, the choice on select, the default command (auto, QAT, best-of), its float control and
     its --max-loss variant per seed, the deployed graphs in ONNX Runtime, an entry with provenance and every per-seed
@@ -229,7 +229,7 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(bench_run, demo
     from models.pipeline import RunConfig, calibration_sample
     from models.quantization.quantize import QuantRecipe
     for seed, names in enumerate(samples):  # drawn again from the sampler alone, as --add-peer does
-        cfg = RunConfig(str(TRAINED_T), str(demo_data), "", imgsz=IMGSZ, batch_size=2, workers=0, seed=seed,
+        cfg = RunConfig(str(TRAINED_T), str(demo_data16), "", imgsz=IMGSZ, batch_size=2, workers=0, seed=seed,
                         quant=QuantRecipe(calib_batches=1))
         assert calibration_sample(DETECT, work / "demo" / "split" / "fit.txt", cfg) == names
     for kind in ("qat", "fp_ft", "mixed"):
@@ -351,7 +351,7 @@ def test_benchmark_peer_calibrates_on_our_images_and_is_added_to_an_entry_later(
         table.write_text(kept_table)
 
 
-def test_benchmark_keeps_auto_ranges_and_rebuilds_the_ptq_graphs_from_them_later(bench_run, demo_data):
+def test_benchmark_keeps_auto_ranges_and_rebuilds_the_ptq_graphs_from_them_later(bench_run, demo_data16):
     """Each seed's ranges of the calibration `auto` delivered are kept beside the entry; with the run folders gone,
     --add-ort --seeds 1 rebuilds that PTQ model from the float weights and the ranges alone: in PyTorch the very
     model the run measured (the same weights and ranges, measured with the same threads: the same mAP to the last
@@ -379,7 +379,7 @@ def test_benchmark_keeps_auto_ranges_and_rebuilds_the_ptq_graphs_from_them_later
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         row = json.loads(entry.read_text())["ort_ptq"]["1"]
         assert row["pytorch"] == e["qat"]["1"]["auto"]["val"]  # auto's PTQ model as the run measured it
-        tolerance = 3 * one_box(load_data(demo_data))
+        tolerance = 3 * one_box(load_data(demo_data16))
         for graph in ("fp32", "fp32_e2e", "fp16", "fp16_e2e"):
             assert row[graph]["lint"]["unshared_joins"] == 0 == row[graph]["lint"]["unquantized_convs"], graph
             assert row[graph]["val"]["ap"] == pytest.approx(row["pytorch"]["ap"], abs=tolerance), graph
