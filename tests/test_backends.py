@@ -232,7 +232,7 @@ def test_benchmark_backends_records_both_and_renders(demo_data, tmp_path):
     ranges compared quantizer by quantizer, both graphs linted; the README block renders from what it wrote."""
     from utils.benchmark_tables import backends_table
     out = tmp_path / "backends" / "demo.json"
-    r = run_cli("scripts/benchmark_backends.py", "--weights", TRAINED_T, "--data", demo_data, "--imgsz", IMGSZ,
+    r = run_cli("scripts/benchmark_backends.py", "--weights", TRAINED_T, "--data", demo_data, "--imgsz", 64,
                 "--calib-images", 4, "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -65,7 +65,7 @@ def test_patch_is_idempotent_and_undoes_on_the_genuine_repository(genuine, tmp_p
                         "print(round(compute_ap([0.0, 1.0], [1.0, 1.0])[0], 3))")
     ok(r)
     assert r.stdout.split()[-1] == "0.995"
-    r = run(copy, copy / "utils" / "upstream_compat.py", copy, "--undo")
+    r = run(copy, copy / "utils" / "upstream_compat.py", copy, "--undo", fresh=True)  # stdlib only: no server
     ok(r)
     assert "restored 12 upstream file(s)" in r.stdout
     with tarfile.open(GENUINE) as tar:
