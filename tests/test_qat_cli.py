@@ -164,8 +164,9 @@ def test_float_epochs_are_the_controls_then_qat_continues_from_a_new_calibration
     from models.quantization.checkpoint import read_checkpoint
     from models.quantization.quantize import named_quantizers
     # nothing here reads val or the float model's mAP: 8 val images, no origin evaluation
-    args = ["quantize", "--weights", TRAINED_T, "--data", demo_data320, *TRAINED_RUN[:-1], 8, "--no-eval-origin",
-            "--epochs", 2, "--iters", 2, "--calib-batches", 2, "--calib-method", "mse", "--project", tmp_path]
+    args = ["quantize", "--weights", TRAINED_T, "--data", demo_data320, "--imgsz", REDUCED_SIZE, "--batch-size", 4,
+            "--device", "cpu", "--workers", 0, "--num-image", 8, "--no-eval-origin", "--epochs", 2, "--iters", 2,
+            "--calib-batches", 2, "--calib-method", "mse", "--project", tmp_path]
     runs = {}
     for name, extra in (("first", ["--float-epochs", 1]), ("control", ["--float-control"])):
         r = run_cli("qat.py", *args, "--name", name, *extra)

@@ -181,8 +181,7 @@ def bench_run(demo_data16, tmp_path_factory):
     args = ["--dataset", "demo", "--models", f"gelan-t={TRAINED_T}", "--data", demo_data16, "--imgsz", IMGSZ,
             "--batch-size", 2, "--device", "cpu", "--workers", 0, "--seeds", 0, 1, "--methods", "max",
             "percentile-99.9", "--qat-epochs", 1, "--iters", 1, "--calib-batches", 1, "--jobs", 2, "--ort-seeds", 1,
-            "--max-loss", 0,
-            "--work", tmp / "work", "--out", tmp / "results", "--ablation", "det-3",
+            "--max-loss", 0, "--work", tmp / "work", "--out", tmp / "results", "--ablation", "det-3",
             *(["--modelopt"] if modelopt else [])]
     r = run_cli("scripts/benchmark_accuracy.py", *args, timeout=1500)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

@@ -23,7 +23,6 @@ COMMON = ["--imgsz", SIZE, "--batch-size", 4, "--device", "cpu", "--workers", 0]
 def select_data(seg_data, tmp_path_factory) -> Path:
     """The first 10 val images as a yaml of their own: what the run chooses on (each candidate, stage and epoch is
     evaluated there)."""
-    import yaml
     folder = tmp_path_factory.mktemp("select")
     data = yaml.safe_load(seg_data.read_text())
     images = sorted((seg_data.parent / "images" / "val").glob("*.png"))[:10]
@@ -227,7 +226,6 @@ def test_end_to_end_graph_gathers_the_kept_masks(seg_onnx, plain_ort, seg_data, 
 def test_real_photographs_with_polygons_run_end_to_end(checkout, tmp_path):
     """Smoke test on 128 COCO photographs with instance polygons (80 classes): quantize, QAT, evaluate. The model
     is untrained (no COCO weights exist offline), so only that every stage runs and reports masks is checked."""
-    import yaml
     src = SHARED / "datasets" / "coco128-seg-416"
     data = yaml.safe_load((src / "data.yaml").read_text())
     data["path"] = str(src)  # upstream resolves a relative path against its checkout
@@ -313,7 +311,6 @@ def test_fine_tune_trains_on_the_masks_its_float_model_was_trained_on(checkout, 
     image it would learn to cut the small square out of the large one again. The run's task follows the flag, else
     the checkpoint's record (upstream's opt.no_overlap), else upstream's default; its training loader and its loss
     then agree on the masks: upstream's loss reads per-instance masks only with overlap off."""
-    import yaml
     from models.core.task import DETECT, SEGMENT
     from models.pipeline import training_task
     from models.quantization.checkpoint import load_float_model, trained_overlap, training_record
@@ -365,7 +362,6 @@ def _coco128_seg(tmp_path: Path, val: int = 8, train: int = 16) -> Path:
     """shared/datasets/coco128-seg-416 as a yaml of absolute paths whose last `val` images are val and the first
     `train` train (it ships train = val, which a select split refuses): 16 train images carve into 8 fit and 8
     select."""
-    import yaml
     src = SHARED / "datasets" / "coco128-seg-416"
     data = yaml.safe_load((src / "data.yaml").read_text())
     images = sorted(p for p in (src / data["train"]).iterdir() if p.suffix in (".jpg", ".png", ".webp"))
