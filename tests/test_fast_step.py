@@ -100,10 +100,11 @@ def test_compiled_step_gives_the_eager_steps_numbers(tiny_ptq):
                     backend="aot_eager_decomp_partition", mode=None)
     eager_losses, eager_grads, eager = _train(model, teacher, EAGER, batches)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # the counters are the process's: another test's traces count there too
     fast_losses, fast_grads, fast = _train(model, teacher, plan, batches)
     stats = torch._dynamo.utils.counters
     assert not stats["graph_break"], dict(stats["graph_break"])  # whole graphs: nothing fell back to eager
-    assert stats["stats"]["unique_graphs"] >= 2  # the student's forward and the teacher's
+    assert stats["stats"]["unique_graphs"] == 2  # the student's forward and the teacher's, each traced once
     assert eager_losses[0] > 0
     for e, f in zip(eager_losses, fast_losses):
         assert abs(e - f) <= 1e-5 * abs(e), (eager_losses, fast_losses)
@@ -163,8 +164,8 @@ def test_each_epoch_is_judged_on_the_weights_it_trained(demo_data320):
     data = load_data(demo_data320)
     teacher = copy_float(load_float_model(TRAINED_T))
     model = quantize_model(load_float_model(TRAINED_T), QuantRecipe())
-    select = val_loader(DETECT, data, REDUCED_SIZE, 8, 0, num_image=16)
-    train = val_loader(DETECT, {"val": data["train"]}, REDUCED_SIZE, 4, 0)
+    select = val_loader(DETECT, data, REDUCED_SIZE, 8, 0, num_image=8)
+    train = val_loader(DETECT, {"val": data["train"]}, REDUCED_SIZE, 4, 0, num_image=16)  # the 4 batches it uses
     train = [(b[0].float() / 255, b[1], None) for b in train]
     calibrate(model, QuantRecipe(calib_method="percentile"), [b[0] for b in train[:2]])
     hyp = yaml.safe_load((CHECKOUT / "data/hyps/hyp.scratch-high.yaml").read_text())
@@ -175,6 +176,7 @@ def test_each_epoch_is_judged_on_the_weights_it_trained(demo_data320):
         metrics.pop("ms_per_image")
         return metrics
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # the counters are the process's: another test's traces count there too
     curve = [select_map(TorchRunner(model))]
     with QATObjective(RECIPES["default"].with_overrides(lr=1e-3), model, teacher, hyp,
                       torch.compile(model, backend="eager")) as objective:
@@ -188,7 +190,10 @@ def test_each_epoch_is_judged_on_the_weights_it_trained(demo_data320):
             assert curve[-1] == select_map(NothingHeld(TorchRunner(copy.deepcopy(model)))), curve
             assert curve[-1] != curve[-2], curve
     assert not torch._dynamo.utils.counters["graph_break"]  # the forward ran as one traced graph
-    assert graphs[0] >= 1 and graphs[1] == graphs[0], graphs  # traced once: the second epoch's scales matched
+    # traced once for the whole run: the second step found the layer taps empty, as the first did (a tap holding
+    # the last step's outputs failed the trace's guard on them: a second trace, ~40 % of this test), and the second
+    # epoch's scales matched
+    assert graphs == [1, 1], graphs
     assert curve[0]["ap50"] > 0.1  # a trained model: the curve is not of empty results
 
 

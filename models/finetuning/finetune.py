@@ -101,7 +101,10 @@ def supervised_layers(n_layers: int, stride: int) -> list[int]:
 
 
 class LayerTap:
-    """Forward hooks recording the outputs of chosen top-level layers."""
+    """Forward hooks recording the outputs of chosen top-level layers.
+
+    Empty the tap (`clear`) before each forward: a compiled forward traces the hooks with the dict as it finds it
+    and guards on its keys, so a forward that found last step's outputs there would be traced a second time."""
 
     def __init__(self, model: nn.Module, layers: Iterable[int]):
         self.outputs: dict[int, list[torch.Tensor]] = {}
@@ -111,6 +114,9 @@ class LayerTap:
         def record(_module, _inputs, out):
             self.outputs[i] = out
         return record
+
+    def clear(self) -> None:
+        self.outputs.clear()
 
     def remove(self):
         for h in self._handles:
@@ -158,6 +164,8 @@ class QATObjective:
         """The total loss and its parts (detached tensors: reading them waits for the device, so the caller reads
         them when it needs them)."""
         recipe, mark = self.recipe, (clock or NO_CLOCK).mark
+        self.s_tap.clear()
+        self.t_tap.clear()
         with torch.no_grad():
             self.teacher_forward(images)
         mark("teacher forward")
