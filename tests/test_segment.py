@@ -39,7 +39,7 @@ def seg_run(seg_data, select_data, tmp_path_factory):
     # (--select-data)
     r = run_cli("qat.py", "quantize", "--weights", TRAINED_SEG, "--data", seg_data, *COMMON[:2], "--batch-size", 2,
                 *COMMON[4:], "--epochs", 1, "--iters", 4, "--calib-batches", 1, "--select-data", select_data,
-                "--project", project, "--name", "run")
+                "--num-image", 16, "--project", project, "--name", "run")  # 16: whole batches of 4 and of 8
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return project / "run", r
 
@@ -100,7 +100,7 @@ def test_eval_reproduces_the_report(seg_run, seg_data, tmp_path):
     save_dir, _ = seg_run
     report = json.loads((save_dir / "report.json").read_text())
     r = run_cli("qat.py", "eval", "--weights", report["final"]["file"], "--data", seg_data, *COMMON[:2], "--batch-size",
-                8, *COMMON[4:], "--project", tmp_path, "--name", "e")
+                8, *COMMON[4:], "--num-image", 16, "--project", tmp_path, "--name", "e")
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "e" / "eval.json").read_text())
     want = report["val"]["final"]  # the delivered model, measured on val at the end of the run
