@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path.cwd()))
 
 from models.finetuning.fast_step import STEP_MODES  # noqa: E402
+from utils.benchmark_steps import log_beside  # noqa: E402
 from utils.io_utils import atomic_write, write_json  # noqa: E402
 from utils.provenance import command_line, machine, toolkit_commit  # noqa: E402
 
@@ -67,7 +68,7 @@ def start(opt, seed: int, step: str, device: str) -> dict:
     cmd = [sys.executable, "qat.py", "quantize", "--weights", opt.weights, "--data", opt.data, "--imgsz",
            str(opt.imgsz), "--device", "cpu" if device == "cpu" else "0", "--seed", str(seed), "--step", step,
            "--project", str(opt.project), "--name", name, "--exist-ok", *opt.extra]
-    log = open(folder.with_suffix(".log"), "w")
+    log = open(log_beside(folder), "w")
     return {"seed": seed, "step": step, "device": device, "folder": folder, "t0": time.perf_counter(),
             "process": subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), "log": log}
 

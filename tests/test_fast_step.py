@@ -200,11 +200,13 @@ def test_each_epoch_is_judged_on_the_weights_it_trained(demo_data320):
 def test_benchmark_step_runs_each_mode_side_by_side(demo_data, tmp_path):
     """scripts/benchmark_step.py on the CPU: one qat.py run per --step mode, started together, each run's curve,
     delivered stage, plan and wall time recorded. On a CPU both modes run the same eager step (seeded: the same
-    curve), and each plan says why."""
+    curve), and each plan says why; each run logs to a file of its own, whatever dots the weights' name has."""
     import json
+    import shutil
     from conftest import IMGSZ, run_cli
     out = tmp_path / "step.json"
-    r = run_cli("scripts/benchmark_step.py", "--weights", TRAINED_T, "--data", demo_data, "--imgsz", IMGSZ,
+    weights = shutil.copy(TRAINED_T, tmp_path / "gelan-t-demo.v2.pt")
+    r = run_cli("scripts/benchmark_step.py", "--weights", weights, "--data", demo_data, "--imgsz", IMGSZ,
                 "--seeds", 0, "--steps", "auto", "eager", "--devices", "cpu", "--project", tmp_path / "runs",
                 "--out", out, "--", "--epochs", 2, "--iters", 1, "--calib-method", "max", "--calib-batches", 1,
                 "--batch-size", 4, "--workers", 0, "--num-image", 4, "--select-min", 4, "--no-eval-origin")
@@ -216,6 +218,8 @@ def test_benchmark_step_runs_each_mode_side_by_side(demo_data, tmp_path):
     assert len(auto["select_curve"]) == 2 and auto["select_curve"] == eager["select_curve"]
     assert all(run["wall_s"] > 0 and run["delivered"]["stage"] in ("ptq", "qat") for run in (auto, eager))
     assert set(result["by_step"]) == {"auto", "eager"} and "| 0 | auto |" in result["table"]
+    for run in (auto, eager):
+        assert run["plan"] in (tmp_path / "runs" / f"gelan-t-demo.v2-{IMGSZ}-seed0-{run['step']}.log").read_text()
     png = out.with_suffix(".png")
     assert png.read_bytes()[:4] == b"\x89PNG"
     png.unlink()
