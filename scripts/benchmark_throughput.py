@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import sys
 import time
@@ -67,22 +68,26 @@ def loader_images_per_s(loader, device, n: int, batch: int) -> float:
 
 
 def arm_result(tuner, loader, device, opt) -> dict:
-    """Images/s over the timed steps, then the per-phase breakdown (per step, seconds)."""
+    """Images/s over the timed steps, then the per-phase breakdown (per step, seconds). All three parts read one
+    stream of batches, as an epoch of qat.py does: the loader's start (its workers, their first batches) falls in
+    the warm-up, as it does once an epoch, not in the timed steps."""
     from models.finetuning.finetune import StepClock
     from utils.batches import seeded_batches
 
-    def run(n: int, seed: int) -> float:
+    stream = seeded_batches(loader, device, opt.warmup + opt.steps + opt.breakdown_steps, 1)
+
+    def run(n: int) -> float:
         sync()
         t0 = time.perf_counter()
-        tuner.epoch(seeded_batches(loader, device, n, seed), "")
+        tuner.epoch(itertools.islice(stream, n), "")
         sync()
         return time.perf_counter() - t0
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    run(opt.warmup, 1)
-    seconds = run(opt.steps, 2)
+    run(opt.warmup)
+    seconds = run(opt.steps)
     tuner.clock = StepClock(device)
-    run(opt.breakdown_steps, 3)
+    run(opt.breakdown_steps)
     phases = {k: round(v / opt.breakdown_steps, 5) for k, v in tuner.clock.seconds.items()}
     tuner.clock = StepClock(None, enabled=False)
     return {"step_s": round(seconds / opt.steps, 5), "images_per_s": round(opt.steps * opt.batch_size / seconds, 1),

@@ -73,12 +73,12 @@ def test_histograms_combined_across_ranks_equal_one_process(two_ranks):
     assert single.hist.sum() == 5 * 4000
 
 
-def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data, monkeypatch):
+def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data, monkeypatch, tmp_path):
     """Two ranks with 2 images each against one process with the global batch of 4, all seeded alike, with
     upstream's augmentation: each rank's loader produces only its own 2 images a step (no rank loads another's), and
     the two shares of every step are exactly the images of the one-process step, in order and pixel for pixel, though
     one process loads in 2 workers and the ranks in none (each item's augmentation is seeded by its index); a new pass
-    over the images gets a new order and new augmentations."""
+    over the images gets a new order and new augmentations, loaded by the same workers."""
     from models.core.task import DETECT
     from utils.batches import SeededItems, load_data, load_hyp, seeded_batches, seeded_indices, seeded_rank_loader
     data, hyp = load_data(demo_data), load_hyp(CHECKOUT / "data" / "hyps" / "hyp.scratch-high.yaml")
@@ -89,7 +89,10 @@ def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data
         return made
 
     steps = 8  # 24 images: two passes of 6 steps of 4
-    one = list(seeded_batches(seeded_rank_loader(loader(4, 2), 1, 0), torch.device("cpu"), steps, seed=7))
+    made = seeded_rank_loader(loader(4, 2), 1, 0)
+    made.worker_init_fn = lambda worker: (tmp_path / f"worker-{os.getpid()}").touch()  # items seed themselves
+    one = list(seeded_batches(made, torch.device("cpu"), steps, seed=7))
+    assert len(list(tmp_path.glob("worker-*"))) == 2  # one set of workers loads both passes, no restart between
     ranks = [list(seeded_batches(seeded_rank_loader(loader(2, 0), 2, r), torch.device("cpu"), steps, seed=7))
              for r in (0, 1)]
     assert [sum(len(b.paths) for b in shares) for shares in ranks] == [2 * steps, 2 * steps]  # each its share only
@@ -111,7 +114,7 @@ def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data
     loaded = {0: [], 1: []}
     fetch = SeededItems.__getitem__
     for r in loaded:
-        monkeypatch.setattr(SeededItems, "__getitem__", lambda self, i, _r=r: loaded[_r].append(i) or fetch(self, i))
+        monkeypatch.setattr(SeededItems, "__getitem__", lambda self, k, _r=r: loaded[_r].append(k[-1]) or fetch(self, k))
         share = list(seeded_batches(seeded_rank_loader(loader(2, 0), 2, r), torch.device("cpu"), steps, seed=7))
         files = loader(2, 0).dataset.im_files
         assert [files[i] for i in loaded[r]] == [p for b in share for p in b.paths]  # nothing fetched but its share

@@ -32,22 +32,22 @@ def load_hyp(hyp: str | Path) -> dict:
 
 
 class SeededItems(torch.utils.data.Dataset):
-    """`dataset` with every item's random draws (augmentation, mosaic partners) seeded by (stream, pass, index):
-    an image comes out the same whichever worker, how many workers, or which of several processes loads it.
+    """`dataset` with every item's random draws (augmentation, mosaic partners) seeded by its key (stream, pass,
+    index): an image comes out the same whichever worker, how many workers, or which of several processes loads it.
     Upstream seeds each worker instead, so its augmentations change with --workers and the number of ranks."""
 
     def __init__(self, dataset):
-        self.dataset, self.stream = dataset, (0, 0)
+        self.dataset = dataset
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int):
-        seed = int(np.random.SeedSequence([v & 0xFFFFFFFF for v in (*self.stream, index)]).generate_state(1)[0])
+    def __getitem__(self, key: tuple[int, int, int]):
+        seed = int(np.random.SeedSequence([v & 0xFFFFFFFF for v in key]).generate_state(1)[0])
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
-        return self.dataset[index]
+        return self.dataset[key[-1]]
 
     def __getattr__(self, name: str):  # upstream's attributes (labels, shapes, collate_fn) pass through
         if name == "dataset":  # not set yet (unpickling in a worker): no recursion
@@ -112,33 +112,54 @@ def seeded_indices(loader, n: int, seed: int) -> list[list[int]]:
     """The dataset indices of the `n` batches `seeded_batches(loader, ..., n, seed)` yields, no image loaded: the
     same sampler over an index list, drawing from the same generator as the loader does (a sample whose record
     is lost is drawn again, e.g. for a peer calibrating on the same images)."""
-    indices = torch.utils.data.DataLoader(_Indices(loader.dataset), batch_sampler=loader.batch_sampler,
-                                          generator=loader.generator, collate_fn=list)
-    return list(_seeded_passes(indices, n, seed))
+    return list(_seeded_passes(loader, n, seed, _Indices(loader.dataset), collate_fn=list))
 
 
 class _Indices(SeededItems):
     """The positions of a seeded dataset's items, for drawing orders without loading them."""
 
-    def __getitem__(self, index: int) -> int:
-        return index
+    def __getitem__(self, key: tuple[int, int, int]) -> int:
+        return key[-1]
 
 
-def _seeded_passes(loader, n: int, seed: int) -> Iterator:
-    """The first `n` batches of `loader` over as many passes as it takes, every order drawn from its generator
-    seeded once by `seed`, each pass's augmentations from (seed, pass)."""
+class _PassKeys(torch.utils.data.Sampler):
+    """The keys of the first `n` batches of `batches` over as many passes as it takes: every order drawn from its
+    generator seeded once by `seed`, each item keyed (seed, pass, index) so that each pass augments anew. One
+    sampler spans the passes, so one set of workers loads them all, without a restart and an empty pipeline at
+    every pass."""
+
+    def __init__(self, batches: torch.utils.data.Sampler, n: int, seed: int):
+        self.batches, self.n, self.seed = batches, n, seed
+
+    def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
+        generator = self.batches.generator
+        generator.manual_seed(self.seed)  # the order of every pass
+        made, passes = 0, 0
+        while made < self.n:
+            # the draw a DataLoader takes for its workers' seeds when a pass starts one: with it, every pass's order
+            # (and a calibration sample an earlier version recorded) is the one drawn when each pass had its loader
+            torch.empty((), dtype=torch.int64).random_(generator=generator)
+            for batch in self.batches:
+                yield [(self.seed, passes, i) for i in batch]
+                made += 1
+                if made == self.n:
+                    return
+            passes += 1
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _seeded_passes(loader, n: int, seed: int, items: SeededItems | None = None, **settings) -> Iterator:
+    """The first `n` batches of `loader`'s seeded items (or of `items` over them), all passes in one DataLoader of
+    `loader`'s settings (or of `settings`)."""
     if not isinstance(loader.dataset, SeededItems):
         raise TypeError("seeded_batches reads a seeded_rank_loader (a plain loader's augmentations would depend on "
                         "its workers)")
     if len(loader) == 0:
         raise ValueError("the loader has no batch: fewer images than one batch")
-    loader.generator.manual_seed(seed)  # the order of every pass
-    made, passes = 0, 0
-    while made < n:
-        loader.dataset.stream = (seed, passes)
-        for batch in loader:
-            yield batch
-            made += 1
-            if made == n:
-                return
-        passes += 1
+    settings = settings or dict(num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+                                collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn)
+    keys = _PassKeys(loader.batch_sampler, n, seed)
+    yield from torch.utils.data.DataLoader(items or loader.dataset, batch_sampler=keys, generator=loader.generator,
+                                           **settings)
