@@ -48,7 +48,7 @@ from models.quantization.checkpoint import (copy_checkpoint, load_float_model, l
                                             save_checkpoint, trained_overlap)
 from models.quantization.quantize import (QuantRecipe, collect_statistics, copy_float, holds_scales, is_enabled,
                                           named_quantizers, quantize_model, quantizer_counts)
-from utils.batches import load_data, load_hyp, seeded_batches, seeded_indices, seeded_rank_loader
+from utils.batches import load_data, load_hyp, seeded_batches, seeded_epochs, seeded_indices, seeded_rank_loader
 from utils.datasplit import SelectConfig, SelectSplit, split_for
 from utils.general import LOGGER, colorstr
 from utils.interrupts import Interrupted, StopBetweenSteps
@@ -546,9 +546,10 @@ class FineTuneStage:
             if report.get("recalibrated", {}).get("epoch", 0) > start:
                 report.pop("recalibrated")
             self.folder.rewind_final(start)
-            for epoch in range(start, cfg.epochs):
+            epochs = range(start, cfg.epochs)
+            seeded = seeded_epochs(loader, inputs.device, iters, [cfg.seed + 1 + epoch for epoch in epochs])
+            for epoch, batches in zip(epochs, seeded):
                 t0 = time.perf_counter()
-                batches = seeded_batches(loader, inputs.device, iters, seed=cfg.seed + 1 + epoch)
                 batches = self.folder.stop.between(batches)
                 stage = self.stage_of(epoch + 1)
                 desc = f"{PREFIX}{stage} epoch {epoch + 1}/{cfg.epochs}" if world.main else ""  # one progress bar

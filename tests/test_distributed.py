@@ -78,9 +78,10 @@ def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data
     upstream's augmentation: each rank's loader produces only its own 2 images a step (no rank loads another's), and
     the two shares of every step are exactly the images of the one-process step, in order and pixel for pixel, though
     one process loads in 2 workers and the ranks in none (each item's augmentation is seeded by its index); a new pass
-    over the images gets a new order and new augmentations, loaded by the same workers."""
+    over the images gets a new order and new augmentations, loaded by the same workers, as the next epoch is."""
     from models.core.task import DETECT
-    from utils.batches import SeededItems, load_data, load_hyp, seeded_batches, seeded_indices, seeded_rank_loader
+    from utils.batches import (SeededItems, load_data, load_hyp, seeded_batches, seeded_epochs, seeded_indices,
+                               seeded_rank_loader)
     data, hyp = load_data(demo_data), load_hyp(CHECKOUT / "data" / "hyps" / "hyp.scratch-high.yaml")
 
     def loader(batch_size, workers):
@@ -93,6 +94,15 @@ def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data
     made.worker_init_fn = lambda worker: (tmp_path / f"worker-{os.getpid()}").touch()  # items seed themselves
     one = list(seeded_batches(made, torch.device("cpu"), steps, seed=7))
     assert len(list(tmp_path.glob("worker-*"))) == 2  # one set of workers loads both passes, no restart between
+    # a run's epochs from one loader: each epoch's batches are its own seed's, and the workers start once
+    eight = list(seeded_batches(made, torch.device("cpu"), 3, seed=8))
+    for f in tmp_path.glob("worker-*"):
+        f.unlink()
+    run = [list(epoch) for epoch in seeded_epochs(made, torch.device("cpu"), 3, [7, 8])]
+    assert len(list(tmp_path.glob("worker-*"))) == 2
+    for epoch, alone in zip(run, (one[:3], eight)):
+        assert [b.paths for b in epoch] == [b.paths for b in alone]
+        assert all(torch.equal(b.images, a.images) for b, a in zip(epoch, alone))
     ranks = [list(seeded_batches(seeded_rank_loader(loader(2, 0), 2, r), torch.device("cpu"), steps, seed=7))
              for r in (0, 1)]
     assert [sum(len(b.paths) for b in shares) for shares in ranks] == [2 * steps, 2 * steps]  # each its share only

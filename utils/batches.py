@@ -2,9 +2,10 @@
 of batches from upstream's loaders."""
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -102,8 +103,21 @@ def seeded_batches(loader, device: torch.device, n: int, seed: int) -> Iterator[
     workers or processes either): an epoch seeded by (run seed, epoch) is the same whether or not the run was
     interrupted and resumed before it, and a calibration sample is chosen by the run's seed. A pass over the images
     ends before `n` batches: the next pass has a new order and new augmentations."""
+    return next(seeded_epochs(loader, device, n, [seed]))
+
+
+def seeded_epochs(loader, device: torch.device, n: int, seeds: Sequence[int]) -> Iterator[Iterator[Batch]]:
+    """For each of `seeds`, the batches `seeded_batches(loader, device, n, seed)` yields, all from one DataLoader:
+    its workers start once, not once an epoch, and load the next epoch's first batches while this one ends and is
+    evaluated. Each epoch's batches are to be taken whole before the next epoch's."""
+    stream = _seeded_passes(loader, [(seed, n) for seed in seeds])
+    for seed in seeds:
+        yield _epoch(stream, n, seed, device)
+
+
+def _epoch(stream: Iterator, n: int, seed: int, device: torch.device) -> Iterator[Batch]:
     init_seeds(seed, deterministic=False)  # draws in this process, outside the items
-    for batch in _seeded_passes(loader, n, seed):
+    for batch in itertools.islice(stream, n):
         masks = batch[4] if len(batch) > 4 else None
         yield Batch(batch[0].to(device, non_blocking=True).float() / 255, batch[1], masks, tuple(batch[2]))
 
@@ -112,7 +126,7 @@ def seeded_indices(loader, n: int, seed: int) -> list[list[int]]:
     """The dataset indices of the `n` batches `seeded_batches(loader, ..., n, seed)` yields, no image loaded: the
     same sampler over an index list, drawing from the same generator as the loader does (a sample whose record
     is lost is drawn again, e.g. for a peer calibrating on the same images)."""
-    return list(_seeded_passes(loader, n, seed, _Indices(loader.dataset), collate_fn=list))
+    return list(_seeded_passes(loader, [(seed, n)], _Indices(loader.dataset), collate_fn=list))
 
 
 class _Indices(SeededItems):
@@ -123,36 +137,41 @@ class _Indices(SeededItems):
 
 
 class _PassKeys(torch.utils.data.Sampler):
-    """The keys of the first `n` batches of `batches` over as many passes as it takes: every order drawn from its
-    generator seeded once by `seed`, each item keyed (seed, pass, index) so that each pass augments anew. One
-    sampler spans the passes, so one set of workers loads them all, without a restart and an empty pipeline at
-    every pass."""
+    """The keys of the batches of `batches` for each (seed, n) of `segments`: its first `n` batches over as many
+    passes as it takes, every order drawn from its generator seeded once by `seed`, each item keyed (seed, pass,
+    index) so that each pass augments anew. One sampler spans the passes and the segments, so one set of workers
+    loads them all, without a restart and an empty pipeline at every pass."""
 
-    def __init__(self, batches: torch.utils.data.Sampler, n: int, seed: int):
-        self.batches, self.n, self.seed = batches, n, seed
+    def __init__(self, batches: torch.utils.data.Sampler, segments: Sequence[tuple[int, int]]):
+        self.batches, self.segments = batches, segments
 
     def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
+        for seed, n in self.segments:
+            yield from self._segment(seed, n)
+
+    def _segment(self, seed: int, n: int) -> Iterator[list[tuple[int, int, int]]]:
         generator = self.batches.generator
-        generator.manual_seed(self.seed)  # the order of every pass
+        generator.manual_seed(seed)  # the order of every pass
         made, passes = 0, 0
-        while made < self.n:
+        while made < n:
             # the draw a DataLoader takes for its workers' seeds when a pass starts one: with it, every pass's order
             # (and a calibration sample an earlier version recorded) is the one drawn when each pass had its loader
             torch.empty((), dtype=torch.int64).random_(generator=generator)
             for batch in self.batches:
-                yield [(self.seed, passes, i) for i in batch]
+                yield [(seed, passes, i) for i in batch]
                 made += 1
-                if made == self.n:
+                if made == n:
                     return
             passes += 1
 
     def __len__(self) -> int:
-        return self.n
+        return sum(n for _, n in self.segments)
 
 
-def _seeded_passes(loader, n: int, seed: int, items: SeededItems | None = None, **settings) -> Iterator:
-    """The first `n` batches of `loader`'s seeded items (or of `items` over them), all passes in one DataLoader of
-    `loader`'s settings (or of `settings`)."""
+def _seeded_passes(loader, segments: Sequence[tuple[int, int]], items: SeededItems | None = None,
+                   **settings) -> Iterator:
+    """The batches of `loader`'s seeded items (or of `items` over them) for each (seed, n) of `segments`, all in
+    one DataLoader of `loader`'s settings (or of `settings`)."""
     if not isinstance(loader.dataset, SeededItems):
         raise TypeError("seeded_batches reads a seeded_rank_loader (a plain loader's augmentations would depend on "
                         "its workers)")
@@ -160,6 +179,6 @@ def _seeded_passes(loader, n: int, seed: int, items: SeededItems | None = None, 
         raise ValueError("the loader has no batch: fewer images than one batch")
     settings = settings or dict(num_workers=loader.num_workers, pin_memory=loader.pin_memory,
                                 collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn)
-    keys = _PassKeys(loader.batch_sampler, n, seed)
+    keys = _PassKeys(loader.batch_sampler, segments)
     yield from torch.utils.data.DataLoader(items or loader.dataset, batch_sampler=keys, generator=loader.generator,
                                            **settings)
