@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,29 +20,36 @@ from models.quantization.quantize import named_quantizers
 COMMON = ["--imgsz", IMGSZ, "--device", "cpu", "--workers", 0, "--seed", 3]
 
 
-def _two_ranks(rank: int, port: int, chunks: list, out: str) -> None:
-    """Rank `rank`'s part of each check below that needs two processes, in one process group: a spawned process
-    spends ~10 s importing before it does anything, so the three share one pair of processes."""
+def _two_ranks(out: str) -> None:
+    """This rank's part of each check below that needs two processes, in one process group (torchrun's: this file
+    is its script, see the end): a rank spends seconds importing before it does anything, so the three share one
+    pair of processes."""
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
     try:
-        _combine(rank, chunks, out)
+        _combine(rank, _chunks(), out)
         _search(rank, out)
         _step(rank, out)
     finally:
         dist.destroy_process_group()
 
 
+def _chunks() -> list[torch.Tensor]:
+    """The batches the histogram check combines: each a range of its own, one far wider than the others."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(4000, generator=g) * s for s in (1.0, 0.5, 3.0, 1.2, 20.0)]
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> tuple[list, object]:
     """The chunks the histogram check combines, and the folder each rank saved its results of _two_ranks in."""
-    import torch.multiprocessing as mp
     out = tmp_path_factory.mktemp("ranks")
-    g = torch.Generator().manual_seed(0)
-    chunks = [torch.randn(4000, generator=g) * s for s in (1.0, 0.5, 3.0, 1.2, 20.0)]
-    mp.start_processes(_two_ranks, args=(free_port(), chunks, str(out)), nprocs=2,
-                       start_method="spawn")  # fork would copy this process's OpenMP threads
-    return chunks, out
+    torchrun, env = _torchrun_env()
+    r = subprocess.run([*torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), __file__, str(out)],
+                       cwd=CHECKOUT, text=True, capture_output=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return _chunks(), out
 
 
 def _combine(rank: int, chunks: list, out: str) -> None:
@@ -424,3 +432,7 @@ def test_two_nodes_run_as_one_job_and_resume(tiny_gelan_weights, demo_data, tmp_
     assert [rc for rc, _ in ran] == [0, 0], ran[0][1][-3000:] + ran[1][1][-3000:]
     resumed = json.loads((tmp_path / "run" / "report.json").read_text())
     assert resumed["finished"] and [e["epoch"] for e in resumed["qat"]] == [1, 2] and resumed["world_size"] == 2
+
+
+if __name__ == "__main__":  # a rank of the two_ranks fixture, started by torchrun
+    _two_ranks(sys.argv[1])
