@@ -132,7 +132,8 @@ def test_each_rank_loads_only_its_share_and_a_step_is_one_process_step(demo_data
     loaded = {0: [], 1: []}
     fetch = SeededItems.__getitem__
     for r in loaded:
-        monkeypatch.setattr(SeededItems, "__getitem__", lambda self, k, _r=r: loaded[_r].append(k[-1]) or fetch(self, k))
+        monkeypatch.setattr(SeededItems, "__getitem__",
+                            lambda self, key, _r=r: loaded[_r].append(key[-1]) or fetch(self, key))
         share = list(seeded_batches(seeded_rank_loader(loader(2, 0), 2, r), torch.device("cpu"), steps, seed=7))
         files = loader(2, 0).dataset.im_files
         assert [files[i] for i in loaded[r]] == [p for b in share for p in b.paths]  # nothing fetched but its share

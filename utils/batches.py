@@ -116,6 +116,7 @@ def seeded_epochs(loader, device: torch.device, n: int, seeds: Sequence[int]) ->
 
 
 def _epoch(stream: Iterator, n: int, seed: int, device: torch.device) -> Iterator[Batch]:
+    """The next `n` batches of `stream` on `device`, this process's own draws seeded by `seed` when they start."""
     init_seeds(seed, deterministic=False)  # draws in this process, outside the items
     for batch in itertools.islice(stream, n):
         masks = batch[4] if len(batch) > 4 else None
@@ -180,5 +181,5 @@ def _seeded_passes(loader, segments: Sequence[tuple[int, int]], items: SeededIte
     settings = settings or dict(num_workers=loader.num_workers, pin_memory=loader.pin_memory,
                                 collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn)
     keys = _PassKeys(loader.batch_sampler, segments)
-    yield from torch.utils.data.DataLoader(items or loader.dataset, batch_sampler=keys, generator=loader.generator,
-                                           **settings)
+    yield from torch.utils.data.DataLoader(loader.dataset if items is None else items, batch_sampler=keys,
+                                           generator=loader.generator, **settings)
