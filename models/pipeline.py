@@ -556,8 +556,13 @@ class FineTuneStage:
                 losses = tuner.epoch(batches, desc)
                 if tuner.first_step_s is not None and "first_step_s" not in report["step"] and world.main:
                     report["step"]["first_step_s"] = round(tuner.first_step_s, 1)
+                    report["step"]["compiled"] = compiled_now = tuner.first_step_compiled
                     LOGGER.info(f"{PREFIX}the compiled step's first iteration (tracing and compiling) took "
                                 f"{tuner.first_step_s:.1f} s")
+                    if compiled_now["cudagraph_skips"]:
+                        LOGGER.warning(f"{PREFIX}{compiled_now['cudagraph_skips']} of the compiled step's "
+                                       f"{compiled_now['graphs']} graphs run without CUDA graphs, one launch per "
+                                       "kernel (TORCH_LOGS=cudagraphs says why): --step eager may be as fast")
                 if world.main:
                     self.end_epoch(epoch + 1, tuner, losses, time.perf_counter() - t0)
                 if epoch + 1 == cfg.float_epochs:

@@ -92,6 +92,7 @@ def arm_result(tuner, loader, device, opt) -> dict:
     tuner.clock = StepClock(None, enabled=False)
     return {"step_s": round(seconds / opt.steps, 5), "images_per_s": round(opt.steps * opt.batch_size / seconds, 1),
             "first_step_s": None if tuner.first_step_s is None else round(tuner.first_step_s, 1),
+            "first_step_compiled": tuner.first_step_compiled,
             "breakdown_s_per_step": phases, "breakdown_total_s": round(sum(phases.values()), 5)}
 
 

@@ -249,6 +249,16 @@ def test_fake_quant_matches_int8_rounding():
     assert ((yq - w).abs() <= (wa / 127 / 2 + 1e-7)).all()
 
 
+def _boundary_values(amax: float, n: int) -> torch.Tensor:
+    """Values at and one float either side of every rounding boundary of `amax`'s INT8 grid, past the clamp, and
+    `n` random ones."""
+    scale = float(np.float32(amax) / np.float32(127))
+    edges = (torch.arange(-140, 140, dtype=torch.float32) + 0.5) * scale
+    return torch.cat([torch.randn(n, generator=torch.Generator().manual_seed(0)) * amax, edges,
+                      torch.nextafter(edges, torch.tensor(1e9)), torch.nextafter(edges, torch.tensor(-1e9)),
+                      torch.tensor([0.0, amax, -amax, 1e30, -1e30])])
+
+
 @pytest.mark.parametrize("amax", [2.0, 1.0, 6.35, 0.0042, 123.4])
 def test_evaluation_on_a_cpu_quantizes_as_the_native_kernel_bit_for_bit(amax):
     """Without a gradient on a CPU, fake_quant multiplies by the float32 1 / scale, rounds half to even, clamps and
@@ -256,16 +266,52 @@ def test_evaluation_on_a_cpu_quantizes_as_the_native_kernel_bit_for_bit(amax):
     the GPU and the ONNX export use, on values at and one float either side of every rounding boundary, at the
     clamp, and a million random ones: dividing by the scale instead, or leaving negative zeros, fails here."""
     scale = float(np.float32(amax) / np.float32(127))
-    k = torch.arange(-140, 140, dtype=torch.float32)
-    edges = (k + 0.5) * scale
-    x = torch.cat([torch.randn(1_000_000) * amax, edges, torch.nextafter(edges, torch.tensor(1e9)),
-                   torch.nextafter(edges, torch.tensor(-1e9)), torch.tensor([0.0, amax, -amax, 1e30, -1e30])])
+    x = _boundary_values(amax, 1_000_000)
     want = torch.fake_quantize_per_tensor_affine(x, scale, 0, -128, 127)
     with torch.no_grad():
         got = fake_quant(x, torch.tensor(amax))
     assert torch.equal(got, want) and torch.equal(got.view(torch.int32), want.view(torch.int32))
     trained = x.clone().requires_grad_()  # with a gradient: the native kernel and its straight-through mask
     assert torch.equal(fake_quant(trained, torch.tensor(amax)).detach(), want)
+
+
+def test_compiled_graphs_quantize_with_elementwise_ops_as_the_native_kernels():
+    """In a compiled graph fake_quant is elementwise arithmetic, which inductor fuses with the ops around it (it has
+    no lowering of the native kernels: each was an opaque call that wrote the tensor and its mask to memory): the
+    graphs handed to the compiler hold no native fake-quantize op, and give the native kernels' values and
+    straight-through gradients, bit for bit in float32 (the same float32 operations), per tensor and per channel;
+    FP16 inputs as the CUDA kernel quantizes them (in float32 inside)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from models.quantization.fake_quant import fake_quant_with, quant_params
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+    amax = 6.35
+    x = _boundary_values(amax, 100_000)
+    w = x[:99_000].reshape(11, 9000) * torch.linspace(0.2, 2.0, 11)[:, None]
+    w_amax = torch.linspace(0.2, 2.0, 11)[:, None] * amax
+    for value, params in ((x, quant_params(torch.tensor(amax))), (w, quant_params(w_amax))):
+        torch._dynamo.reset()
+        graphs.clear()
+        compiled = torch.compile(lambda t, p=params: fake_quant_with(t, p), backend=aot_autograd(fw_compiler=keep,
+                                                                                                bw_compiler=keep))
+        got_in, want_in = value.clone().requires_grad_(), value.clone().requires_grad_()
+        got = compiled(got_in)
+        got.backward(torch.ones_like(got))
+        scale, zero_point = params.scale, params.zero_point
+        want = torch.fake_quantize_per_tensor_affine(want_in, scale, 0, -128, 127) if isinstance(scale, float) else \
+            torch.fake_quantize_per_channel_affine(want_in, scale, zero_point, 0, -128, 127)
+        want.backward(torch.ones_like(want))
+        assert torch.equal(got.detach(), want.detach()) and torch.equal(got_in.grad, want_in.grad)
+        assert 0 < int((want_in.grad == 0).sum()) < value.numel()  # some values clip: the mask is exercised
+        ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+        assert len(graphs) == 2 and "aten.round.default" in ops, ops  # the forward and the backward graph
+        assert not any("fake_quantize" in op for op in ops), ops
+        half = torch.compile(lambda t, p=params: fake_quant_with(t, p), backend="aot_eager")(value.half())
+        assert half.dtype == torch.float16 and torch.equal(half, fake_quant_with(value.half().float(), params).half())
 
 
 def _quantizer(amax):

@@ -6,9 +6,9 @@ backward), and on a GPU the kernels are shorter than their launches: the GPU wai
   cost a transpose on each side of every conv;
 - compiles the student's and the teacher's forward (and so the student's backward) with torch.compile and replays
   them as CUDA graphs (one launch for a whole graph): with inductor (`--step inductor`, mode "reduce-overhead"),
-  fake quantization (TensorRT's symmetric ranges, one op each), activations, residual adds and average pooling also
-  fuse into few kernels; the "cudagraphs" backend (`--step cudagraphs`) captures the same ops unfused, for a
-  fraction of the compile time;
+  fake quantization (TensorRT's symmetric ranges, as elementwise ops in a compiled graph:
+  models/quantization/fake_quant.py), activations, residual adds and average pooling also fuse into few kernels;
+  the "cudagraphs" backend (`--step cudagraphs`) captures the same ops unfused, for a fraction of the compile time;
 - steps Adam with its fused kernel (models/finetuning/finetune.py `optimizer_for`).
 Between the compiled forward and backward, the loss runs eagerly: upstream's target assignment reads counts back to
 the host and changes shape with every batch (for a segmentation head, whose mask coefficients and prototypes are
@@ -114,6 +114,15 @@ def to_layout(model: nn.Module, plan: StepPlan) -> nn.Module:
 def compiled(forward: nn.Module, plan: StepPlan) -> nn.Module:
     """`forward` compiled for the plan (traced at its first call), or itself when the step is eager."""
     return torch.compile(forward, backend=plan.backend, mode=plan.mode) if plan.compiled else forward
+
+
+def compile_counts() -> dict[str, int]:
+    """This process's compiled graphs so far, and how many of them run without CUDA graphs (torch.compile's
+    counters; inductor names each skip's reason in its `cudagraphs` log, TORCH_LOGS=cudagraphs). A skipped graph
+    launches each of its kernels from Python again: the cost the compiled step exists to remove. More graphs than
+    the student's and the teacher's forward: a graph break, or DistributedDataParallel's split at its buckets."""
+    from torch._dynamo.utils import counters
+    return {"graphs": counters["stats"]["unique_graphs"], "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
 
 
 def begin_step(plan: StepPlan) -> None:

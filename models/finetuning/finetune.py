@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from models.core.losses import feature_maps, head_distillation
 from models.core.task import Task, task_of
-from models.finetuning.fast_step import EAGER, StepPlan, begin_step, teacher_mode
+from models.finetuning.fast_step import EAGER, StepPlan, begin_step, compile_counts, teacher_mode
 from models.quantization.held_state import held
 from models.quantization.quantize import learnable_amax_parameters
 from utils.general import TQDM_BAR_FORMAT
@@ -276,6 +276,7 @@ class FineTuner:
         self.objective, self.epochs, self.iters, self.plan = objective, epochs, iters, plan
         self.clock = clock or NO_CLOCK
         self.first_step_s: float | None = None  # of a compiled step: tracing and compiling included
+        self.first_step_compiled: dict[str, int] = {}  # what its first step compiled (fast_step.compile_counts)
         recipe, student = objective.recipe, objective.student
         self.optimizer = optimizer_for(student, recipe, fused=plan.fused_optimizer)
         self.scaler = torch.amp.GradScaler("cuda") if amp else None
@@ -355,11 +356,12 @@ class FineTuner:
                 break
             self.clock.mark("data (wait + host-to-device)")
             first = self.first_step_s is None and self.plan.compiled
-            t0 = time.perf_counter()
+            t0, counts = time.perf_counter(), compile_counts() if first else {}
             parts = self.step(*batch[:3])
             if first:
                 parts["loss"].item()  # waits for the device, once
                 self.first_step_s = time.perf_counter() - t0
+                self.first_step_compiled = {k: v - counts[k] for k, v in compile_counts().items()}
             lr = parts.pop("lr")
             n += 1
             for k, v in parts.items():

@@ -1,5 +1,6 @@
-"""Symmetric INT8 fake quantization with PyTorch's native kernels, the same [-128, 127] range that the exported
-QuantizeLinear and TensorRT use, so the model that is trained and evaluated is the model that is deployed.
+"""Symmetric INT8 fake quantization with PyTorch's native kernels (in a compiled graph, the same values as
+elementwise ops that fuse), the same [-128, 127] range that the exported QuantizeLinear and TensorRT use, so the
+model that is trained and evaluated is the model that is deployed.
 
 Library-free: pytorch-quantization's quantizers run on it (models/quantization/backends/pytorch_quantization.py), and
 either backend's learned ranges use `fake_quant_learnable`.
@@ -44,6 +45,10 @@ def fake_quant_with(x: torch.Tensor, params: QuantParams) -> torch.Tensor:
     """
     scale, inv_scale, zero_point, bound = params
     per_tensor = isinstance(scale, float)
+    if torch.compiler.is_compiling() and not torch.onnx.is_in_onnx_export():
+        shape = () if per_tensor else (-1,) + (1,) * (x.dim() - 1)
+        return _ElementwiseFakeQuant.apply(x, scale if per_tensor else scale.view(shape),
+                                           inv_scale if per_tensor else inv_scale.view(shape), bound)
     dtype = x.dtype
     # AMP activations: the CUDA kernel quantizes FP16/BF16 directly (it computes in FP32 inside);
     # casting to FP32 and back would triple the memory traffic of every quantizer.
@@ -51,7 +56,7 @@ def fake_quant_with(x: torch.Tensor, params: QuantParams) -> torch.Tensor:
     if cast:  # only where the kernel lacks the dtype; never in ONNX export, which traces FP32 (no Cast nodes)
         x = x.float()
     if per_tensor and x.is_cpu and not (x.requires_grad and torch.is_grad_enabled()) \
-            and not torch.onnx.is_in_onnx_export() and not torch.compiler.is_compiling():
+            and not torch.onnx.is_in_onnx_export():
         # Evaluation on a CPU: the native kernel takes ~2.5x as long as multiplying by the float32 1 / scale,
         # rounding half to even, clamping and scaling in place, which give its values bit for bit (+ 0.0: its zeros
         # are never negative; tests/test_quantize.py). Quantization was ~40 % of a CPU evaluation's time.
@@ -67,6 +72,26 @@ def fake_quant_with(x: torch.Tensor, params: QuantParams) -> torch.Tensor:
         out = torch.fake_quantize_per_tensor_affine(x * inv_scale.view(shape), 1.0, 0, -bound - 1, bound)
         out = out * scale.view(shape)
     return out.to(dtype) if cast else out
+
+
+class _ElementwiseFakeQuant(torch.autograd.Function):
+    """The native kernels' values and straight-through gradient as elementwise ops, for a compiled graph: inductor
+    has no lowering of the native fake-quantize ops and calls them as opaque kernels, which splits the activation
+    before each one from its fused kernel and writes each quantized tensor and its mask to memory; these ops fuse
+    with their neighbours, forward and backward. Computed in float32 whatever the input's dtype, as the CUDA kernel
+    computes FP16 inputs (models/finetuning/fast_step.py; the values: tests/test_quantize.py)."""
+
+    @staticmethod
+    def forward(ctx, x, scale, inv_scale, bound: int):
+        steps = torch.round(x.float() * inv_scale)
+        inside = (steps >= -bound - 1) & (steps <= bound)
+        ctx.save_for_backward(inside)
+        return (steps.clamp(-bound - 1, bound) * scale).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inside, = ctx.saved_tensors
+        return grad * inside, None, None, None
 
 
 def fake_quant_learnable(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
