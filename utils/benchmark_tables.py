@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -346,6 +347,17 @@ def recovery_table(out: Path) -> str:
     return _markdown(("Tool", "Model", "Before -> after", "Gain"), rows, "No benchmark entry yet.")
 
 
+def _sharing(entry: dict) -> str:
+    """How many of the benchmark's runs shared how many devices, from its command line (--device, --jobs): the
+    default command's runs, its float control's and its --max-loss variant's go side by side, --jobs of each."""
+    args = shlex.split(entry["provenance"]["command"])
+    value = lambda flag, default: args[args.index(flag) + 1] if flag in args else default  # noqa: E731
+    runs = min(int(value("--jobs", "1")), len(entry["provenance"]["seeds"])) * sum(k in entry
+                                                                                 for k in ("qat", "fp_ft", "mixed"))
+    devices = len(value("--device", "0").split(","))
+    return f"{runs} runs at a time on {devices} GPU{'s' if devices > 1 else ''}"
+
+
 def timing_table(out: Path) -> str:
     """The default command's stages as the published runs took them (range over seeds; the runs shared their GPUs
     with the benchmark's other runs, so these are upper bounds for a run alone)."""
@@ -362,7 +374,7 @@ def timing_table(out: Path) -> str:
         runs, prov, st = list(e["qat"].values()), e["provenance"], e["settings"]
         steps = prov.get("steps_ran_on") or [_where(prov["machine"])]
         sec = [r["auto"]["seconds"] for r in runs]
-        rows.append(f"| {e['model']} | {e['dataset']} | {'; '.join(steps)} | {st['imgsz']} | "
+        rows.append(f"| {e['model']} | {e['dataset']} | {'; '.join(steps)}, {_sharing(e)} | {st['imgsz']} | "
                     f"{st['calib_batches'] * st['batch_size']} images: {span([x['collect'] for x in sec])} | "
                     f"{prov['split']['images']['select']} images x {len(runs[0]['auto']['candidates'])} candidates: "
                     f"{span([x['ranges_and_evaluations'] for x in sec])} | "
