@@ -306,6 +306,7 @@ def test_compiled_graphs_quantize_with_elementwise_ops_as_the_native_kernels():
             torch.fake_quantize_per_channel_affine(want_in, scale, zero_point, 0, -128, 127)
         want.backward(torch.ones_like(want))
         assert torch.equal(got.detach(), want.detach()) and torch.equal(got_in.grad, want_in.grad)
+        assert torch.equal(got.detach().view(torch.int32), want.detach().view(torch.int32))  # no negative zero
         assert 0 < int((want_in.grad == 0).sum()) < value.numel()  # some values clip: the mask is exercised
         ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
         assert len(graphs) == 2 and "aten.round.default" in ops, ops  # the forward and the backward graph

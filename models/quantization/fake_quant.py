@@ -47,8 +47,8 @@ def fake_quant_with(x: torch.Tensor, params: QuantParams) -> torch.Tensor:
     per_tensor = isinstance(scale, float)
     if torch.compiler.is_compiling() and not torch.onnx.is_in_onnx_export():
         shape = () if per_tensor else (-1,) + (1,) * (x.dim() - 1)
-        return _ElementwiseFakeQuant.apply(x, scale if per_tensor else scale.view(shape),
-                                           inv_scale if per_tensor else inv_scale.view(shape), bound)
+        return _elementwise_fake_quant(x, scale if per_tensor else scale.view(shape),
+                                       inv_scale if per_tensor else inv_scale.view(shape), bound)
     dtype = x.dtype
     # AMP activations: the CUDA kernel quantizes FP16/BF16 directly (it computes in FP32 inside);
     # casting to FP32 and back would triple the memory traffic of every quantizer.
@@ -74,24 +74,19 @@ def fake_quant_with(x: torch.Tensor, params: QuantParams) -> torch.Tensor:
     return out.to(dtype) if cast else out
 
 
-class _ElementwiseFakeQuant(torch.autograd.Function):
+def _elementwise_fake_quant(x: torch.Tensor, scale, inv_scale, bound: int) -> torch.Tensor:
     """The native kernels' values and straight-through gradient as elementwise ops, for a compiled graph: inductor
     has no lowering of the native fake-quantize ops and calls them as opaque kernels, which splits the activation
     before each one from its fused kernel and writes each quantized tensor and its mask to memory; these ops fuse
     with their neighbours, forward and backward. Computed in float32 whatever the input's dtype, as the CUDA kernel
-    computes FP16 inputs (models/finetuning/fast_step.py; the values: tests/test_quantize.py)."""
-
-    @staticmethod
-    def forward(ctx, x, scale, inv_scale, bound: int):
-        steps = torch.round(x.float() * inv_scale)
-        inside = (steps >= -bound - 1) & (steps <= bound)
-        ctx.save_for_backward(inside)
-        return (steps.clamp(-bound - 1, bound) * scale).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        inside, = ctx.saved_tensors
-        return grad * inside, None, None, None
+    computes FP16 inputs. The value is the quantized one plus an exact zero that carries the gradient where the
+    input fell inside the range (plain ops: an autograd.Function doubled the trace's time; outside it, an infinite
+    input is clamped as the kernel clamps it); its zeros are never negative, as the kernel's
+    (tests/test_quantize.py)."""
+    xf = x.float()
+    steps = torch.round(xf * inv_scale)
+    clamped = steps.clamp(-bound - 1, bound)
+    return ((clamped * scale).detach() + torch.where(clamped == steps, xf - xf.detach(), 0.0)).to(x.dtype)
 
 
 def fake_quant_learnable(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
