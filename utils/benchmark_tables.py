@@ -352,10 +352,11 @@ def _sharing(entry: dict) -> str:
     default command's runs, its float control's and its --max-loss variant's go side by side, --jobs of each."""
     args = shlex.split(entry["provenance"]["command"])
     value = lambda flag, default: args[args.index(flag) + 1] if flag in args else default  # noqa: E731
-    runs = min(int(value("--jobs", "1")), len(entry["provenance"]["seeds"])) * sum(k in entry
-                                                                                 for k in ("qat", "fp_ft", "mixed"))
-    devices = len(value("--device", "0").split(","))
-    return f"{runs} runs at a time on {devices} GPU{'s' if devices > 1 else ''}"
+    phases = sum(k in entry for k in ("qat", "fp_ft", "mixed"))
+    runs = min(int(value("--jobs", "1")), len(entry["provenance"]["seeds"])) * phases
+    devices = value("--device", "0").split(",")
+    where = "the CPU" if devices == ["cpu"] else f"{len(devices)} GPU{'s' if len(devices) > 1 else ''}"
+    return f"{runs} runs at a time on {where}"
 
 
 def timing_table(out: Path) -> str:
