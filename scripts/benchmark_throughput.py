@@ -49,6 +49,8 @@ def parse_opt(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--breakdown-steps", type=int, default=20)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="then this many free-running steps under torch.profiler: OUT/profile/<model>-*.txt per rank")
     p.add_argument("--hyp", default="data/hyps/hyp.scratch-high.yaml")
     p.add_argument("--out", type=Path, default=overlay_repo() / "results" / "scaling")
     return p.parse_args(argv)
@@ -74,7 +76,7 @@ def arm_result(tuner, loader, device, opt) -> dict:
     from models.finetuning.finetune import StepClock
     from utils.batches import seeded_batches
 
-    stream = seeded_batches(loader, device, opt.warmup + opt.steps + opt.breakdown_steps, 1)
+    stream = seeded_batches(loader, device, opt.warmup + opt.steps + opt.breakdown_steps + opt.profile_steps, 1)
 
     def run(n: int) -> float:
         sync()
@@ -90,10 +92,36 @@ def arm_result(tuner, loader, device, opt) -> dict:
     run(opt.breakdown_steps)
     phases = {k: round(v / opt.breakdown_steps, 5) for k, v in tuner.clock.seconds.items()}
     tuner.clock = StepClock(None, enabled=False)
+    if opt.profile_steps:
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            run(opt.profile_steps)
+        profiled = profile_summary(prof, opt.profile_steps)
+    else:
+        profiled = None
     return {"step_s": round(seconds / opt.steps, 5), "images_per_s": round(opt.steps * opt.batch_size / seconds, 1),
             "first_step_s": None if tuner.first_step_s is None else round(tuner.first_step_s, 1),
             "first_step_compiled": tuner.first_step_compiled,
-            "breakdown_s_per_step": phases, "breakdown_total_s": round(sum(phases.values()), 5)}
+            "breakdown_s_per_step": phases, "breakdown_total_s": round(sum(phases.values()), 5), "profile": profiled}
+
+
+def profile_summary(prof, steps: int) -> str:
+    """Where free-running steps spend their time: the wall time per step, the share of it in which the GPU ran
+    anything (the union of its kernels' and copies' intervals: idle GPU time is time the host did not feed it),
+    and the ops with the most host time and the most device time."""
+    events = [e for e in prof.events() if e.time_range.end > e.time_range.start]
+    device = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CUDA")
+    host = [e for e in events if e.device_type.name == "CPU"]
+    wall = (max(e.time_range.end for e in events) - min(e.time_range.start for e in host)) if host else 0.0
+    busy, end = 0.0, float("-inf")
+    for start, stop in device:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    averages = prof.key_averages()
+    return (f"{steps} steps: {wall / steps / 1000:.1f} ms/step, GPU busy {busy / max(wall, 1e-9):.0%}\n"
+            + averages.table(sort_by="self_cpu_time_total", row_limit=20) + "\n"
+            + averages.table(sort_by="self_device_time_total", row_limit=20))
 
 
 def main(argv=None) -> int:
@@ -172,6 +200,8 @@ def write(opt, results: dict, world_size: int) -> None:
                                                                           r["world_size"]))})
     for arm in ("qat", "control"):
         r = results[arm]
+        if r.get("profile"):
+            print(f"{name} {arm} profile:\n{r['profile']}")
         phases = ", ".join(f"{k} {v * 1000:.1f}" for k, v in r["breakdown_s_per_step"].items())
         print(f"{name} {arm}: {world_size} process(es), global batch {opt.batch_size} at {opt.imgsz}: "
               f"{r['images_per_s']} img/s ({r['step_s'] * 1000:.1f} ms/step); ms/step by phase: {phases}")

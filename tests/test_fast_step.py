@@ -97,7 +97,7 @@ def test_compiled_step_gives_the_eager_steps_numbers(tiny_ptq):
     model, teacher = tiny_ptq
     batches = _batches(3)
     plan = StepPlan(compiled=True, channels_last=True, fused_optimizer=False, reason="test",
-                    backend="aot_eager_decomp_partition", mode=None)
+                    backend="aot_eager_decomp_partition", mode=None, fused_quantizers=True)  # as inductor's
     eager_losses, eager_grads, eager = _train(model, teacher, EAGER, batches)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # the counters are the process's: another test's traces count there too
@@ -135,6 +135,7 @@ def test_the_fast_step_where_it_applies():
                                              (None, 10, "inductor", "reduce-overhead")):
         plan = plan_step("auto", cuda, learn_amax=False, iterations=iterations, batch=batch, rule=rule)
         assert plan.compiled and (plan.backend, plan.mode) == (backend, mode), (iterations, batch, plan)
+        assert plan.fused_quantizers == (backend == "inductor")  # unfused, the elementwise ops cost more
     assert "2000 iterations of 32 images planned" in plan_step("auto", cuda, False, 2000, 32, rule).reason
     for requested, device, learn, iterations in (("eager", cuda, False, None), ("auto", cpu, False, None),
                                                  ("auto", cuda, True, None), ("auto", cuda, False, 499)):

@@ -276,11 +276,12 @@ def test_evaluation_on_a_cpu_quantizes_as_the_native_kernel_bit_for_bit(amax):
 
 
 def test_compiled_graphs_quantize_with_elementwise_ops_as_the_native_kernels():
-    """In a compiled graph fake_quant is elementwise arithmetic, which inductor fuses with the ops around it (it has
-    no lowering of the native kernels: each was an opaque call that wrote the tensor and its mask to memory): the
-    graphs handed to the compiler hold no native fake-quantize op, and give the native kernels' values and
-    straight-through gradients, bit for bit in float32 (the same float32 operations), per tensor and per channel;
-    FP16 inputs as the CUDA kernel quantizes them (in float32 inside)."""
+    """For a forward that inductor compiles (`fusable`), fake_quant is elementwise arithmetic, which inductor fuses
+    with the ops around it (it has no lowering of the native kernels: each was an opaque call that wrote the tensor
+    and its mask to memory): the graphs handed to the compiler hold no native fake-quantize op, and give the native
+    kernels' values and straight-through gradients, bit for bit in float32 (the same float32 operations), per
+    tensor and per channel; FP16 inputs as the CUDA kernel quantizes them (in float32 inside). Otherwise (eager,
+    or the cudagraphs backend, which runs a graph's ops unfused) the graph holds the native op: one kernel."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from models.quantization.fake_quant import fake_quant_with, quant_params
@@ -293,25 +294,32 @@ def test_compiled_graphs_quantize_with_elementwise_ops_as_the_native_kernels():
     x = _boundary_values(amax, 100_000)
     w = x[:99_000].reshape(11, 9000) * torch.linspace(0.2, 2.0, 11)[:, None]
     w_amax = torch.linspace(0.2, 2.0, 11)[:, None] * amax
-    for value, params in ((x, quant_params(torch.tensor(amax))), (w, quant_params(w_amax))):
+
+    def traced(fusable: bool, params, value: torch.Tensor) -> tuple[set[str], torch.Tensor, torch.Tensor]:
+        """The ops of the forward and backward graphs, the output and the input's gradient."""
         torch._dynamo.reset()
         graphs.clear()
-        compiled = torch.compile(lambda t, p=params: fake_quant_with(t, p), backend=aot_autograd(fw_compiler=keep,
-                                                                                                bw_compiler=keep))
-        got_in, want_in = value.clone().requires_grad_(), value.clone().requires_grad_()
-        got = compiled(got_in)
-        got.backward(torch.ones_like(got))
+        fn = torch.compile(lambda t: fake_quant_with(t, params, fusable),
+                           backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+        value = value.clone().requires_grad_()
+        out = fn(value)
+        out.backward(torch.ones_like(out))
+        assert len(graphs) == 2  # the forward and the backward graph
+        return {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}, out, value.grad
+    for value, params in ((x, quant_params(torch.tensor(amax))), (w, quant_params(w_amax))):
+        native, _, _ = traced(False, params, value)
+        assert any("fake_quantize" in op for op in native), native
+        ops, got, got_grad = traced(True, params, value)
+        assert "aten.round.default" in ops and not any("fake_quantize" in op for op in ops), ops
+        want_in = value.clone().requires_grad_()
         scale, zero_point = params.scale, params.zero_point
         want = torch.fake_quantize_per_tensor_affine(want_in, scale, 0, -128, 127) if isinstance(scale, float) else \
             torch.fake_quantize_per_channel_affine(want_in, scale, zero_point, 0, -128, 127)
         want.backward(torch.ones_like(want))
-        assert torch.equal(got.detach(), want.detach()) and torch.equal(got_in.grad, want_in.grad)
+        assert torch.equal(got.detach(), want.detach()) and torch.equal(got_grad, want_in.grad)
         assert torch.equal(got.detach().view(torch.int32), want.detach().view(torch.int32))  # no negative zero
         assert 0 < int((want_in.grad == 0).sum()) < value.numel()  # some values clip: the mask is exercised
-        ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
-        assert len(graphs) == 2 and "aten.round.default" in ops, ops  # the forward and the backward graph
-        assert not any("fake_quantize" in op for op in ops), ops
-        half = torch.compile(lambda t, p=params: fake_quant_with(t, p), backend="aot_eager")(value.half())
+        half = torch.compile(lambda t, p=params: fake_quant_with(t, p, fusable=True), backend="aot_eager")(value.half())
         assert half.dtype == torch.float16 and torch.equal(half, fake_quant_with(value.half().float(), params).half())
 
 

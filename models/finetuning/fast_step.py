@@ -6,9 +6,10 @@ backward), and on a GPU the kernels are shorter than their launches: the GPU wai
   cost a transpose on each side of every conv;
 - compiles the student's and the teacher's forward (and so the student's backward) with torch.compile and replays
   them as CUDA graphs (one launch for a whole graph): with inductor (`--step inductor`, mode "reduce-overhead"),
-  fake quantization (TensorRT's symmetric ranges, as elementwise ops in a compiled graph:
-  models/quantization/fake_quant.py), activations, residual adds and average pooling also fuse into few kernels;
-  the "cudagraphs" backend (`--step cudagraphs`) captures the same ops unfused, for a fraction of the compile time;
+  fake quantization (TensorRT's symmetric ranges, as elementwise ops: models/quantization/fake_quant.py),
+  activations, residual adds and average pooling also fuse into few kernels; the "cudagraphs" backend (`--step
+  cudagraphs`) captures the ops unfused (the native fake-quantize kernels, one per quantizer), for a fraction of
+  the compile time;
 - steps Adam with its fused kernel (models/finetuning/finetune.py `optimizer_for`).
 Between the compiled forward and backward, the loss runs eagerly: upstream's target assignment reads counts back to
 the host and changes shape with every batch (for a segmentation head, whose mask coefficients and prototypes are
@@ -38,6 +39,7 @@ class StepPlan:
     reason: str
     backend: str = "inductor"          # torch.compile's backend
     mode: str | None = COMPILE_MODE    # its mode (inductor's; None for other backends)
+    fused_quantizers: bool = False     # quantizers as elementwise ops that the backend fuses (held_state.held)
 
     @property
     def memory_format(self) -> torch.memory_format:
@@ -79,9 +81,10 @@ AUTO = AutoRule(inductor_images=50_000, cudagraphs_iterations=1000)
 
 
 def _compiled_plan(backend: str, why: str) -> StepPlan:
-    mode = COMPILE_MODE if backend == "inductor" else None
+    inductor = backend == "inductor"
+    mode = COMPILE_MODE if inductor else None
     return StepPlan(True, True, True, f"compiled ({backend}{f', {mode}' if mode else ''}{why}), channels-last, "
-                                      "fused Adam", backend, mode)
+                                      "fused Adam", backend, mode, fused_quantizers=inductor)
 
 
 def plan_step(requested: str, device: torch.device, learn_amax: bool, iterations: int | None = None,

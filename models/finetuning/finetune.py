@@ -336,7 +336,7 @@ class FineTuner:
         self.objective.student.train()
         self.objective.teacher.train(teacher_mode(self.objective.teacher, self.plan))
         # the ranges' scales for this epoch, computed from amax now (it may have been calibrated anew since)
-        with held(self.objective.student, self.objective.teacher):
+        with held(self.objective.student, self.objective.teacher, fusable=self.plan.fused_quantizers):
             sums, n = self._steps(batches, desc, show_every)
         self.objective.teacher.eval()
         return {k: float(v) / max(n, 1) for k, v in sums.items()}

@@ -22,6 +22,9 @@ did: every QAT epoch was judged on the weights of the first evaluation).
   batch). For evaluation only (`models/deployment/runners.py` TorchRunner.held): nothing steps an optimizer there. Never used
   while grad is enabled (training needs the rounding in the graph) or in an ONNX export (the weight's Q/DQ must be
   traced).
+- `held(..., fusable=True)`: the quantizers compute as elementwise ops that inductor fuses with their neighbours
+  (models/quantization/fake_quant.py), for a fine-tuning epoch whose step inductor compiles
+  (models/finetuning/fast_step.py StepPlan.fused_quantizers); the same values and gradients as the native kernels.
 
 Outside any block nothing is cached: each call computes the parameters from amax as it is.
 
@@ -46,16 +49,17 @@ from models.quantization.fake_quant import QuantParams, fake_quant_with, quant_p
 
 
 class Held:
-    """One quantizer's values inside a block: its parameters, and with `weights` its fake-quantized weight."""
+    """One quantizer's values inside a block: its parameters, and with `weights` its fake-quantized weight; with
+    `fusable` it quantizes with elementwise ops (models/quantization/fake_quant.py)."""
 
-    def __init__(self, params: QuantParams, weights: bool):
-        self.params, self.weights = params, weights
+    def __init__(self, params: QuantParams, weights: bool, fusable: bool = False):
+        self.params, self.weights, self.fusable = params, weights, fusable
         self._weight: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.weights and isinstance(x, nn.Parameter) and not torch.is_grad_enabled()
                 and not torch.onnx.is_in_onnx_export()):
-            return fake_quant_with(x, self.params)
+            return fake_quant_with(x, self.params, self.fusable)
         if self._weight is None or self._weight[0] is not x:
             self._weight = (x, fake_quant_with(x, self.params))
         return self._weight[1]
@@ -69,11 +73,11 @@ def _holdable(models: tuple[nn.Module, ...]) -> list[Quantizer]:
 
 
 @contextlib.contextmanager
-def held(*models: nn.Module, weights: bool = False) -> Iterator[None]:
+def held(*models: nn.Module, weights: bool = False, fusable: bool = False) -> Iterator[None]:
     """The block described in the module docstring. Nested blocks over the same quantizers keep the outer values."""
     opened = [q for q in _holdable(models) if q._held is None]
     for q in opened:
-        q._held = Held(quant_params(q._amax, q._num_bits), weights)
+        q._held = Held(quant_params(q._amax, q._num_bits), weights, fusable)
     try:
         yield
     finally:
