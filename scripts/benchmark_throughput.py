@@ -17,9 +17,12 @@ image size and global batch, where that one is recorded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import gc
 import itertools
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -78,16 +81,20 @@ def arm_result(tuner, loader, device, opt) -> dict:
 
     stream = seeded_batches(loader, device, opt.warmup + opt.steps + opt.breakdown_steps + opt.profile_steps, 1)
 
-    def run(n: int) -> float:
+    def run(n: int, stamps: list[float] | None = None) -> float:
         sync()
         t0 = time.perf_counter()
-        tuner.epoch(itertools.islice(stream, n), "")
+        batches = itertools.islice(stream, n)
+        tuner.epoch(batches if stamps is None else stamped(batches, stamps), "")
         sync()
         return time.perf_counter() - t0
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     run(opt.warmup)
-    seconds = run(opt.steps)
+    stamps: list[float] = []
+    with full_collections() as collections:
+        seconds = run(opt.steps, stamps)
+    step_ms = [round((b - a) * 1000, 1) for a, b in zip(stamps, stamps[1:])]
     tuner.clock = StepClock(device)
     run(opt.breakdown_steps)
     phases = {k: round(v / opt.breakdown_steps, 5) for k, v in tuner.clock.seconds.items()}
@@ -103,7 +110,37 @@ def arm_result(tuner, loader, device, opt) -> dict:
     return {"step_s": round(seconds / opt.steps, 5), "images_per_s": round(opt.steps * opt.batch_size / seconds, 1),
             "first_step_s": None if tuner.first_step_s is None else round(tuner.first_step_s, 1),
             "first_step_compiled": tuner.first_step_compiled,
+            "timed_step_ms": {"median": statistics.median(step_ms), "max": max(step_ms), "each": step_ms},
+            "timed_full_gc_s": [round(t, 3) for t in collections],
             "breakdown_s_per_step": phases, "breakdown_total_s": round(sum(phases.values()), 5), "profile": profiled}
+
+
+def stamped(batches, stamps: list[float]):
+    """`batches`, noting the time each one is asked for: their differences are the steps' times as the host sees
+    them (the loss reads counts back from the device every step, so the host keeps pace with the GPU). A step far
+    above the median is a one-off stall, not a slower step."""
+    for batch in batches:
+        stamps.append(time.perf_counter())
+        yield batch
+
+
+@contextlib.contextmanager
+def full_collections():
+    """The seconds of each full (generation-2) garbage collection inside the block: a full collection walks every
+    object of the process, and a compile leaves about a million of them."""
+    seconds: list[float] = []
+    started = [0.0]
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif info["generation"] == 2:
+            seconds.append(time.perf_counter() - started[0])
+    gc.callbacks.append(note)
+    try:
+        yield seconds
+    finally:
+        gc.callbacks.remove(note)
 
 
 def profile_summary(prof, steps: int) -> str:
@@ -204,7 +241,9 @@ def write(opt, results: dict, world_size: int) -> None:
             print(f"{name} {arm} profile:\n{r['profile']}")
         phases = ", ".join(f"{k} {v * 1000:.1f}" for k, v in r["breakdown_s_per_step"].items())
         print(f"{name} {arm}: {world_size} process(es), global batch {opt.batch_size} at {opt.imgsz}: "
-              f"{r['images_per_s']} img/s ({r['step_s'] * 1000:.1f} ms/step); ms/step by phase: {phases}")
+              f"{r['images_per_s']} img/s ({r['step_s'] * 1000:.1f} ms/step; median {r['timed_step_ms']['median']}, "
+              f"slowest {r['timed_step_ms']['max']}; full collections {r['timed_full_gc_s']} s); "
+              f"ms/step by phase: {phases}")
     print(f"QAT step / control step: {run['qat_over_control_step']}" +
           (f"; speedup over 1 process: {run['speedup']}" if "speedup" in run else "") + f"; {path}")
 
