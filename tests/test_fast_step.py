@@ -66,7 +66,7 @@ def _train(model, teacher, plan: StepPlan, batches) -> tuple[list[float], dict, 
         tuner = FineTuner(objective, 1, len(batches), amp=False, plan=plan)
         student.train()
         teacher.train(teacher_mode(teacher, plan))
-        with held(student, teacher):  # as FineTuner.epoch does
+        with held(student, teacher, fusable=plan.fused_quantizers):  # as FineTuner.epoch does
             for i, (images, targets, masks) in enumerate(batches):
                 parts = tuner.step(images, targets, masks)
                 losses.append(float(parts["loss"]))
@@ -121,6 +121,30 @@ def test_compiled_step_gives_the_eager_steps_numbers(tiny_ptq):
             memory_format=torch.channels_last))
     assert _rel(out_f, out_e) < 1e-4  # boxes, class scores, mask coefficients
     assert _rel(proto_f, proto_e) < 1e-2  # prototypes
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_epoch_quantizes_as_its_plan_says(tiny_ptq, fused):
+    """A fine-tuning epoch's quantizers run the native fake-quantize kernels, or, where the plan fuses them (an
+    inductor step), the elementwise ops: the kernels that run in an epoch, eagerly here, are those traced into its
+    compiled graphs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func))
+            return func(*args, **(kwargs or {}))
+    model, teacher = copy.deepcopy(tiny_ptq[0]), copy.deepcopy(tiny_ptq[1])
+    plan = StepPlan(compiled=False, channels_last=False, fused_optimizer=False, reason="test", fused_quantizers=fused)
+    hyp = yaml.safe_load((CHECKOUT / "data/hyps/hyp.scratch-high.yaml").read_text())
+    with QATObjective(RECIPES["default"], model, teacher, hyp) as objective, Ops() as ops:
+        FineTuner(objective, 1, 1, amp=False, plan=plan).epoch(iter(_batches(1)), "")
+    native = {op for op in ops.seen if "fake_quantize" in op}
+    assert (not native and "aten.round.default" in ops.seen) if fused else native, native
 
 
 def test_the_fast_step_where_it_applies():

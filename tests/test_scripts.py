@@ -655,3 +655,27 @@ def test_loader_profile_splits_an_images_time_into_upstreams_phases(demo_data, t
     assert result["cache_ram_gb"] == round(p["decoded_bytes_per_image"] * result["train_images"] / 1e9, 2)
     assert p["decoded_bytes_per_image"] <= 128 * 128 * 3  # resized to --imgsz on its long side
     assert "| decode (imread) |" in r.stdout
+
+
+def test_throughput_benchmark_times_each_step_and_notes_full_collections_and_profiles():
+    """What benchmark_throughput.py records beside images/s to tell a few stalls from slow steps: the time each
+    batch was asked for (a step's host time between two), only the full (generation-2) collections inside its block
+    and none after it, and a profile summary with the wall time per step and the share of it the GPU was busy."""
+    import gc
+
+    import torch
+    bt = load_script(CHECKOUT / "scripts" / "benchmark_throughput.py", "benchmark_throughput")
+    stamps: list[float] = []
+    assert list(bt.stamped(iter("abc"), stamps)) == ["a", "b", "c"]
+    assert len(stamps) == 3 and stamps == sorted(stamps)
+    with bt.full_collections() as seconds:
+        gc.collect(1)  # a young generation's collection is no full one
+        gc.collect()
+    gc.collect()  # after the block: not noted
+    assert len(seconds) == 1 and seconds[0] >= 0
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            torch.ones(64, 64) @ torch.ones(64, 64)
+    summary = bt.profile_summary(prof, 3)
+    assert summary.startswith("3 steps: ") and "ms/step, GPU busy 0%" in summary.splitlines()[0]
+    assert "aten::mm" in summary
