@@ -192,6 +192,10 @@ def main(argv=None) -> int:
         loader = train_loader(task, data, cfg, hyp, augment=True, world=world)
         plan = plan_step(opt.step, device, learn_amax=False)
         results = {"step_plan": plan.reason}
+        if world.distributed and device.type == "cuda":  # without peer access NCCL goes through host memory
+            n = torch.cuda.device_count()
+            results["gpu_peer_access"] = all(torch.cuda.can_device_access_peer(a, b)
+                                             for a in range(n) for b in range(n) if a != b)
         if opt.loader_batches:
             results["loader_images_per_s"] = loader_images_per_s(loader, device, opt.loader_batches,
                                                                  opt.batch_size // world.size)
