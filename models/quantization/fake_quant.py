@@ -1,6 +1,6 @@
 """Symmetric INT8 fake quantization with PyTorch's native kernels (for a forward that inductor compiles, the same
-values as elementwise ops that fuse), the same [-128, 127] range that the exported QuantizeLinear and TensorRT use, so the
-model that is trained and evaluated is the model that is deployed.
+values as elementwise ops that fuse), the same [-128, 127] range that the exported QuantizeLinear and TensorRT use,
+so the model that is trained and evaluated is the model that is deployed.
 
 Library-free: pytorch-quantization's quantizers run on it (models/quantization/backends/pytorch_quantization.py), and
 either backend's learned ranges use `fake_quant_learnable`.
