@@ -222,7 +222,8 @@ def test_recipe_refuses_meaningless_settings(bad):
 
 
 # upstream files whose reads are upstream's (its detection loss and the anchors it builds for it)
-UPSTREAM_LOSS = ("utils/loss_tal.py", "utils/segment/loss_tal.py", "utils/tal/assigner.py", "utils/tal/anchor_generator.py")
+UPSTREAM_LOSS = ("utils/loss_tal.py", "utils/segment/loss_tal.py", "utils/tal/assigner.py", "utils/tal/anchor_generator.py",
+                 "models/core/loss_targets.py")  # upstream's loss, and its targets padded with one read
 # The operators that hand a value to the host, or whose result's size depends on values (so the host must wait for
 # them on a GPU): whatever Python spelling reached them (.item(), float(), bool(), `if t:`, torch.equal,
 # torch.allclose, boolean-mask indexing, .nonzero(), .tolist()).
@@ -308,3 +309,36 @@ def test_an_epoch_reads_back_its_ranges_once_and_its_losses_once(ptq_pair):
     assert ranges <= len(opening) <= 2 * ranges, (len(opening), ranges)
     assert ending == [("models/finetuning/finetune.py", closing)] * len(losses), ending
     assert any(r[0] in UPSTREAM_LOSS for r in traced.reads)  # the trace sees the reads it is meant to see
+
+
+def test_the_loss_reads_the_host_as_often_at_any_batch_size(ptq_pair):
+    """Upstream's loss pads its targets per image with three host reads for each (a wait for the GPU each, ~100 a
+    step at batch 32); the loss fine-tuning uses pads them with one (models/core/loss_targets.py): its host reads are
+    as many at batch 8 as at batch 2, where upstream's padding alone reads more, and the padded targets are
+    upstream's, bit for bit: rows in the order they came (shuffled here), an image without targets all zeros, a
+    crowded image, an empty batch."""
+    from types import SimpleNamespace
+
+    from models.core.loss_targets import padded_targets
+    from models.core.task import DETECT
+    from utils.loss_tal import ComputeLoss
+    upstream = SimpleNamespace(device=torch.device("cpu"))
+    scale = torch.tensor([64.0, 48.0, 64.0, 48.0])
+    crowded = _targets(4)[torch.randperm(8, generator=torch.Generator().manual_seed(0))]
+    crowded = torch.cat([crowded[crowded[:, 0] != 1], _targets(3, seed=1)[:5].index_fill(1, torch.tensor([0]), 2)])
+    for targets, batch in ((crowded, 4), (_targets(1), 3), (torch.zeros(0, 6), 2)):
+        want = ComputeLoss.preprocess(upstream, targets.clone(), batch, scale)
+        got = padded_targets(targets.clone(), batch, scale, "cpu")
+        assert got.shape == want.shape and torch.equal(got, want), (got, want)
+    model = copy.deepcopy(ptq_pair[1]).train()
+    model.hyp = _hyp()
+    loss = DETECT.loss(model)
+    reads = {}
+    for batch in (2, 8):
+        preds = model(torch.rand(batch, 3, 64, 64, generator=torch.Generator().manual_seed(batch)))
+        with _HostReads() as traced:
+            loss(preds, _targets(batch), None)
+        with _HostReads() as padding:
+            ComputeLoss.preprocess(upstream, _targets(batch), batch, scale)
+        reads[batch] = len(traced.reads), len(padding.reads)
+    assert reads[2][0] == reads[8][0] and reads[2][1] < reads[8][1], reads

@@ -71,13 +71,15 @@ class Task:
 
     def loss(self, model: nn.Module):
         """Upstream's training loss for `model` (which must carry `hyp`): a callable
-        (predictions, targets, masks) -> loss summed over the batch; masks as this task's training loader makes them."""
+        (predictions, targets, masks) -> loss summed over the batch; masks as this task's training loader makes them.
+        Its targets are padded per image without a host read per image (models/core/loss_targets.py)."""
+        from models.core.loss_targets import with_padded_targets
         if self.has_masks:
             from utils.segment.loss_tal import ComputeLoss
-            compute = ComputeLoss(model, overlap=self.overlap)
+            compute = with_padded_targets(ComputeLoss)(model, overlap=self.overlap)
             return lambda preds, targets, masks: compute(preds, targets, masks.float())[0]
         from utils.loss_tal import ComputeLoss
-        compute = ComputeLoss(model)
+        compute = with_padded_targets(ComputeLoss)(model)
         return lambda preds, targets, masks: compute(_train_maps(preds), targets)[0]
 
     def score(self, metrics: dict) -> float:
