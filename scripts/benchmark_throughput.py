@@ -53,7 +53,7 @@ def parse_opt(argv=None):
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--breakdown-steps", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=0,
-                   help="then this many free-running steps under torch.profiler: OUT/profile/<model>-*.txt per rank")
+                   help="then this many free-running steps under torch.profiler (rank 0's summary: JSON and log)")
     p.add_argument("--hyp", default="data/hyps/hyp.scratch-high.yaml")
     p.add_argument("--out", type=Path, default=overlay_repo() / "results" / "scaling")
     return p.parse_args(argv)
@@ -110,7 +110,8 @@ def arm_result(tuner, loader, device, opt) -> dict:
     return {"step_s": round(seconds / opt.steps, 5), "images_per_s": round(opt.steps * opt.batch_size / seconds, 1),
             "first_step_s": None if tuner.first_step_s is None else round(tuner.first_step_s, 1),
             "first_step_compiled": tuner.first_step_compiled,
-            "timed_step_ms": {"median": statistics.median(step_ms), "max": max(step_ms), "each": step_ms},
+            "timed_step_ms": {"median": statistics.median(step_ms), "max": max(step_ms), "each": step_ms}
+            if step_ms else None,  # the time between two batches: none for one timed step
             "timed_full_gc_s": [round(t, 3) for t in collections],
             "breakdown_s_per_step": phases, "breakdown_total_s": round(sum(phases.values()), 5), "profile": profiled}
 
@@ -244,10 +245,11 @@ def write(opt, results: dict, world_size: int) -> None:
         if r.get("profile"):
             print(f"{name} {arm} profile:\n{r['profile']}")
         phases = ", ".join(f"{k} {v * 1000:.1f}" for k, v in r["breakdown_s_per_step"].items())
+        spread = (f"; median {r['timed_step_ms']['median']}, slowest {r['timed_step_ms']['max']}"
+                  if r["timed_step_ms"] else "")
         print(f"{name} {arm}: {world_size} process(es), global batch {opt.batch_size} at {opt.imgsz}: "
-              f"{r['images_per_s']} img/s ({r['step_s'] * 1000:.1f} ms/step; median {r['timed_step_ms']['median']}, "
-              f"slowest {r['timed_step_ms']['max']}; full collections {r['timed_full_gc_s']} s); "
-              f"ms/step by phase: {phases}")
+              f"{r['images_per_s']} img/s ({r['step_s'] * 1000:.1f} ms/step{spread}; full collections "
+              f"{r['timed_full_gc_s']} s); ms/step by phase: {phases}")
     print(f"QAT step / control step: {run['qat_over_control_step']}" +
           (f"; speedup over 1 process: {run['speedup']}" if "speedup" in run else "") + f"; {path}")
 
