@@ -101,6 +101,27 @@ def test_a_range_is_held_for_the_block_and_cannot_change_inside_it(conv):
     assert conv.weight.grad is not None
 
 
+def test_each_block_writes_its_scales_where_a_compiled_forward_reads_them(conv):
+    """A per-channel quantizer's scales are static inputs of a compiled forward (torch.compile takes a tensor reached
+    through a module for one that keeps its address, like a weight): CUDA graphs read them there, and new tensors at
+    each block re-recorded every graph at each QAT epoch's first step on the GPU (0.6-1.3 s on gelan-c). So each block
+    writes its values into the last block's tensors: a range changed between blocks is seen, at the same address."""
+    q = conv._weight_quantizer
+    forward = torch.compile(conv, backend="aot_eager")
+    x = torch.randn(2, conv.in_channels, 16, 16)
+    with torch.no_grad(), held(conv):
+        first = forward(x)
+        kept = q._held.params[:3]
+        assert all(isinstance(t, torch.Tensor) and getattr(t, "_dynamo_static_input_type", None) for t in kept[:2])
+    q.set_amax(q.amax * 2)
+    with torch.no_grad(), held(conv):
+        assert all(t is k for t, k in zip(q._held.params[:3], kept))
+        second = forward(x)
+    with torch.no_grad():
+        assert torch.equal(second, conv(x)) and not torch.equal(second, first)  # conv(x): computed from amax now
+    assert copy.deepcopy(q)._held_storage is None  # a copy writes into tensors of its own
+
+
 def test_evaluation_in_one_block_gives_the_same_map_to_the_last_digit(demo_data320):
     """The trained demo model, PTQ: evaluated in one block (each weight quantized once, each scale computed once)
     and with nothing held (every weight and scale computed again at every batch): the same metrics, every digit."""

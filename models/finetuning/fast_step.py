@@ -75,8 +75,10 @@ class AutoRule:
 # cudagraphs repays itself against eager after ~820 iterations at both sizes; inductor against cudagraphs after
 # 42,000 / 31,000 images (2.6 / 3.7 ms saved per image). At batch 32 (640 px, scripts/benchmark_throughput.py on an
 # H200: results/scaling/gelan-c.json, 202 img/s and a 124 s first step; cudagraphs 138 img/s in issue 68) inductor
-# saves 2.3 ms per image and repays ~97 s more compile (124 s against 27) after ~42,000 images: as at batch 10. The
-# thresholds leave room for slower hosts (the compile runs on the CPU).
+# saves 2.3 ms per image and repays ~97 s more compile (124 s against 27) after ~42,000 images: as at batch 10. With
+# the quantizers fused under inductor (results/scaling/h200x2/2026-11-29-b/, batch 10, 640 px) its steps took 43.0
+# ms against cudagraphs' 84.3 for 136 s more compile: repaid after ~32,000 images on that host. The thresholds leave
+# room for slower hosts (the compile runs on the CPU).
 AUTO = AutoRule(inductor_images=50_000, cudagraphs_iterations=1000)
 
 

@@ -28,6 +28,14 @@ did: every QAT epoch was judged on the weights of the first evaluation).
 
 Outside any block nothing is cached: each call computes the parameters from amax as it is.
 
+One storage outlives its block, never its values: a per-channel quantizer's scale tensors (`Quantizer._held_storage`).
+Each block writes its values into the tensors the last block held, where shape, dtype and device still fit, and
+nothing reads them outside a block. A compiled step's CUDA graphs read them at their address (torch.compile takes a
+tensor reached through a module for a static input, like a weight), and a new address re-records every graph at the
+next block's first step: 0.6-1.3 s at the first step of each QAT epoch with inductor on one H200 (gelan-c, gelan-s
+at 640 px: results/scaling/h200x2/2026-11-29-b/), where the control had none. A quantizer's copy (pickle, deepcopy)
+starts without storage.
+
 Other derived values, and what invalidates them:
 - the per-quantizer range search (models/quantization/ranges.py) holds each weight at its INT8 value for the duration of
   one `search` call and restores the float weights at its end; it changes no weight meanwhile;
@@ -72,12 +80,27 @@ def _holdable(models: tuple[nn.Module, ...]) -> list[Quantizer]:
     return [q for q in found.values() if q.holdable()]
 
 
+def _into_storage(q: Quantizer, params: QuantParams) -> QuantParams:
+    """`params` with its per-channel tensors written into the quantizer's storage (module docstring), which they
+    become when it has none that fits."""
+    if isinstance(params.scale, float):
+        return params
+    tensors, storage = params[:3], q._held_storage
+    if storage is not None and all(s.shape == t.shape and s.dtype == t.dtype and s.device == t.device
+                                   for s, t in zip(storage, tensors)):
+        for s, t in zip(storage, tensors):
+            s.copy_(t)
+        return QuantParams(*storage, params.bound)
+    q._held_storage = tensors
+    return params
+
+
 @contextlib.contextmanager
 def held(*models: nn.Module, weights: bool = False, fusable: bool = False) -> Iterator[None]:
     """The block described in the module docstring. Nested blocks over the same quantizers keep the outer values."""
     opened = [q for q in _holdable(models) if q._held is None]
     for q in opened:
-        q._held = Held(quant_params(q._amax, q._num_bits), weights, fusable)
+        q._held = Held(_into_storage(q, quant_params(q._amax, q._num_bits)), weights, fusable)
     try:
         yield
     finally:

@@ -41,8 +41,10 @@ class Quantizer:
 
     backend_name = ""
     holds_scales = False  # whether the forward reads scales held by a held_state.held block
-    # the values of an open held block (class default: also for unpickled quantizers)
+    # the values of an open held block, and the per-channel tensors blocks write them into (held_state.py); class
+    # defaults: also for unpickled quantizers
     _held = None
+    _held_storage = None
 
     def holdable(self) -> bool:
         """Whether a held block computes this quantizer's scales at its start."""
@@ -51,6 +53,7 @@ class Quantizer:
     def __getstate__(self) -> dict:  # a block's values belong to the block: never pickled or deep-copied
         state = super().__getstate__()
         state.pop("_held", None)
+        state.pop("_held_storage", None)  # a copy sharing it would write into this quantizer's tensors
         return state
 
     def _check_not_held(self) -> None:
