@@ -209,18 +209,19 @@ def test_cache_from_the_command_line_changes_no_number(demo_data, tmp_path):
     assert [e["loss"] for e in cached["qat"]] == [e["loss"] for e in plain["qat"]]
 
 
-def test_two_process_calibration_equals_one_process(gelan_t_weights, demo_data, tmp_path):
+def test_two_process_calibration_equals_one_process(tiny_gelan_weights, demo_data, tmp_path):
     """2 gloo ranks, global batch 4 (2 per rank) and 2 calibration batches, against one process calibrating on the
     same images in batches of 4 (other batches than either rank's: before the histograms were made independent of
     batching, mse ranges of most quantizers differed, by up to 2.1 %). `auto` with every candidate saved: each
     one-rule range equal, except where the activations themselves differ: some CPUs' convolution kernels depend on
     the batch size (2 per rank vs 4) and change a value's last bits; one on a bin edge then lands in the next bin and
-    moves a histogram range by one bin (seen: 3 of 336 quantizers). So a range may differ by at most one bin of its
-    histogram (a power of two between 1/2048 and 1/1024 of the quantizer's maximum), for at most 5 % of the
-    quantizers (headroom over the 1 % seen; a batching dependence moves most of them, by many bins)."""
+    moves a histogram range by one bin (seen on gelan-t: 3 of 336 quantizers). So a range may differ by at most one
+    bin of its histogram (a power of two between 1/2048 and 1/1024 of the quantizer's maximum), for at most 5 % of
+    the quantizers (headroom over the 1 % seen; a batching dependence moves most of them, by many bins: histograms
+    sized by the first batch failed it). A mechanism: the tiny GELAN (every block type the quantizers meet)."""
     from models.quantization.calibration import bin_width
     from models.quantization.quantize import HISTOGRAM_CANDIDATES
-    common = ["quantize", "--weights", gelan_t_weights, "--data", demo_data, *COMMON, "--epochs", 0,
+    common = ["quantize", "--weights", tiny_gelan_weights, "--data", demo_data, *COMMON, "--epochs", 0,
               "--no-eval-origin", "--save-candidates", "--batch-size", 4, "--calib-batches", 2, "--project", tmp_path]
     r = _torchrun(*common, "--name", "two")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -233,7 +234,7 @@ def test_two_process_calibration_equals_one_process(gelan_t_weights, demo_data, 
     one, two = ranges["one"], ranges["two"]
     assert one.keys() == two.keys() == {*HISTOGRAM_CANDIDATES}
     names = list(one["max"])
-    assert len(names) > 100 and all(one[m].keys() == two[m].keys() == set(names) for m in one)
+    assert len(names) > 50 and all(one[m].keys() == two[m].keys() == set(names) for m in one)
     acts = [n for n in names if one["max"][n].numel() == 1]
     differ = set()
     for m in HISTOGRAM_CANDIDATES:

@@ -1,8 +1,8 @@
 """The README workflow on both kinds of checkout, offline: the PyPI rebuild that get_yolov9.sh makes here, and the
 genuine upstream repository (from shared/reference when it is there). Upstream's own scripts must keep working
-after patch_yolov9.sh (train with and without --weights, train_dual, val, detect, segment/train) on both; then this
-toolkit's steps 3 to 7 run on what upstream trained in the genuine checkout (the other test modules run them in
-the PyPI rebuild)."""
+after patch_yolov9.sh (train with and without --weights, train_dual, val, detect) on both; then segment/train and
+this toolkit's steps 3 to 7 run in the genuine checkout (the other test modules run them in the PyPI rebuild:
+test_segment's float training runs upstream's segment/train.py)."""
 from __future__ import annotations
 
 import filecmp
@@ -96,11 +96,11 @@ def test_readme_workflow_offline(kind, request, demo_data, seg_data, tmp_path):
            tmp_path / "val", env=offline))
     ok(run(checkout, "detect.py", "--weights", best, "--source", demo_data.parent / "images" / "val", "--img", IMG,
            "--device", "cpu", "--project", tmp_path / "detect", env=offline))
+    if kind == "pypi":  # segment/train.py and steps 3-7 run on this checkout in other test modules (test_segment's
+        return          # float training, every module's quantize, export and val_trt)
     ok(run(checkout, "segment/train.py", "--data", seg_data, "--hyp", "data/hyps/hyp.scratch-high.yaml", *common,
            "--cfg", REPO / "assets" / "gelan-t-seg.yaml", "--weights", "", "--name", "s0", "--noplots",
            env=offline))
-    if kind == "pypi":  # steps 3-7 run on this checkout in every other test module
-        return
     # 3-7. this toolkit on what upstream trained
     q = ["--data", demo_data, "--imgsz", IMG, "--device", "cpu", "--workers", 0]
     ok(run(checkout, "qat.py", "quantize", "--weights", best, *q, "--batch-size", 4, "--epochs", 1, "--iters", 1,
