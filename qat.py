@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from models.core.distributed import world_from_env  # noqa: E402
 from models.deployment.evaluate import NMSConfig  # noqa: E402
 from models.finetuning.fast_step import STEP_MODES  # noqa: E402
 from models.finetuning.finetune import DISTILL_TARGETS, LR_SCHEDULES, RECIPES, QATRecipe  # noqa: E402
@@ -28,6 +29,7 @@ from models.analysis import evaluate_checkpoint, sensitivity  # noqa: E402
 from models.pipeline import CONTROL_PARTS, RunConfig, quantize, resume  # noqa: E402
 from models.quantization.backends import BACKENDS, DEFAULT_BACKEND, get_backend  # noqa: E402
 from models.quantization.quantize import CALIB_METHODS, QuantRecipe, skip_patterns  # noqa: E402
+from utils.batches import default_workers  # noqa: E402
 from utils.datasplit import SelectConfig  # noqa: E402
 from utils.io_utils import OutputDir, cli_main  # noqa: E402
 
@@ -48,7 +50,8 @@ def _common(p, project, weights_required=True):
     p.add_argument("--project", default=str(ROOT / project), help="save to project/name")
     p.add_argument("--name", default="exp", help="save to project/name")
     p.add_argument("--exist-ok", action="store_true", help="existing project/name ok, do not increment")
-    p.add_argument("--workers", type=int, default=8, help="max dataloader workers")
+    p.add_argument("--workers", type=int, default=None,
+                   help="max dataloader workers per process (default: its share of the CPU cores, less one)")
     p.add_argument("--num-image", type=int, default=None, help="evaluate on the first N validation images only")
     p.add_argument("--conf-thres", type=float, default=0.001, help="confidence threshold")
     p.add_argument("--iou-thres", type=float, default=0.7, help="NMS IoU threshold")
@@ -160,6 +163,8 @@ def parse_opt(argv=None):
     e = sub.add_parser("eval", help="evaluate a quantized checkpoint")
     _common(e, "runs/qat_eval")
     opt = parser.parse_args(argv)
+    if opt.workers is None:
+        opt.workers = default_workers(world_from_env().local_size)
     _check(parser, opt)
     return opt
 
@@ -169,6 +174,8 @@ def _check(parser, opt):
         parser.error("--weights is required (or --resume RUN_DIR)")
     if opt.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {opt.batch_size}")
+    if opt.workers < 0:
+        parser.error(f"--workers must be >= 0, got {opt.workers}")
     if opt.imgsz < 32 or opt.imgsz % 32:
         parser.error(f"--imgsz must be a multiple of 32 (>= 32), got {opt.imgsz}")
     if opt.num_image is not None and opt.num_image < 1:

@@ -43,7 +43,8 @@ def parse_opt(argv=None):
     p.add_argument("--data", required=True, help="dataset.yaml (its training images feed the loader)")
     p.add_argument("--batch-size", type=int, default=32, help="global batch")
     p.add_argument("--imgsz", type=int, default=640)
-    p.add_argument("--workers", type=int, default=8, help="dataloader workers per process")
+    p.add_argument("--workers", type=int, default=None,
+                   help="dataloader workers per process (default: as qat.py's, its share of the cores less one)")
     p.add_argument("--cache", nargs="?", const="ram", default=None, choices=("ram", "disk"),
                    help="decoded training images kept in RAM (or on disk), as qat.py quantize --cache")
     p.add_argument("--step", choices=STEP_MODES, default="auto", help="as qat.py quantize --step")
@@ -56,7 +57,12 @@ def parse_opt(argv=None):
                    help="then this many free-running steps under torch.profiler (rank 0's summary: JSON and log)")
     p.add_argument("--hyp", default="data/hyps/hyp.scratch-high.yaml")
     p.add_argument("--out", type=Path, default=overlay_repo() / "results" / "scaling")
-    return p.parse_args(argv)
+    opt = p.parse_args(argv)
+    if opt.workers is None:
+        from models.core.distributed import world_from_env
+        from utils.batches import default_workers
+        opt.workers = default_workers(world_from_env().local_size)
+    return opt
 
 
 def loader_images_per_s(loader, device, n: int, batch: int) -> float:

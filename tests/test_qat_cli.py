@@ -200,7 +200,7 @@ def dual_weights(tmp_path_factory):
 @pytest.mark.parametrize("case", ["missing_weights", "missing_data", "training_weights", "eval_float",
                                   "sensitive_quantized", "bad_regex", "bad_imgsz", "not_a_checkpoint",
                                   "missing_select_data", "bad_select_fraction", "max_loss_negative",
-                                  "max_loss_with_control", "max_loss_with_float_epochs"])
+                                  "max_loss_with_control", "max_loss_with_float_epochs", "negative_workers"])
 def test_bad_input_is_one_clear_error(case, gelan_t_weights, demo_data, dual_weights, quantize_run, tmp_path):
     best = quantize_run[0] / "weights" / "qat_best_gelan-t-demo.pt"
     junk = tmp_path / "junk.pt"
@@ -226,12 +226,32 @@ def test_bad_input_is_one_clear_error(case, gelan_t_weights, demo_data, dual_wei
                                    "--float-control"], "--max-loss"),
         "max_loss_with_float_epochs": (["quantize", "--weights", gelan_t_weights, *base, "--max-loss", 0.01,
                                         "--epochs", 2, "--float-epochs", 1], "--max-loss"),
+        "negative_workers": (["quantize", "--weights", gelan_t_weights, *base, "--workers", -1], "--workers"),
     }[case]
     r = call_cli("qat.py", *args)
     assert r.returncode != 0
     assert expect in r.stderr + r.stdout
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "x" / "report.json").exists()
+
+
+def test_loader_workers_default_to_each_processs_share_of_the_cores(monkeypatch):
+    """Without --workers a process loads with its share of the cores it may run on, less one for its own loop
+    (upstream's fixed 8 left a GPU host's other cores idle while the step waited for batches); torchrun's
+    LOCAL_WORLD_SIZE divides the cores among the machine's processes; --workers still sets it."""
+    import os
+    import sys
+    from conftest import CHECKOUT, load_script
+    from utils.batches import default_workers
+    assert (default_workers(1, cores=16), default_workers(2, cores=32), default_workers(4, cores=2)) == (15, 15, 0)
+    qat = sys.modules.get("cli_qat") or load_script(CHECKOUT / "qat.py", "cli_qat")
+    cores, args = len(os.sched_getaffinity(0)), ["eval", "--weights", "w.pt", "--device", "cpu"]
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert qat.parse_opt(args).workers == max(0, cores - 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert qat.parse_opt(args).workers == max(0, cores // 2 - 1)
+    assert qat.parse_opt([*args, "--workers", "3"]).workers == 3
 
 
 # --------------------------------------------------------------------------------------------------

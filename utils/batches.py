@@ -3,6 +3,7 @@ of batches from upstream's loaders."""
 from __future__ import annotations
 
 import itertools
+import os
 import random
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
@@ -12,6 +13,18 @@ import torch
 import yaml
 
 from utils.general import check_dataset, init_seeds
+
+
+def default_workers(local_processes: int = 1, cores: int | None = None) -> int:
+    """Loader workers for each of `local_processes` training processes on this machine when --workers is not given:
+    its share of the cores this process may run on, less one for its own loop (it launches the GPU's work and runs
+    the loss's host side). Upstream's fixed 8 left a GPU machine's other cores idle while the step waited for
+    augmented batches: an H200 host core loads and augments a cardamage image at 640 px in 32 ms
+    (results/scaling/loader-profile-cardamage-640-h200-host.json), so 8 workers give about 250 img/s, where gelan-c's
+    QAT step takes 387 on one H200 (results/scaling/h200x2/2026-11-29-b/). Upstream's loader still caps them at its
+    cores per GPU and the batch size."""
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(0, cores // max(local_processes, 1) - 1)
 
 
 def load_data(data: str | Path) -> dict:

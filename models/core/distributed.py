@@ -31,6 +31,7 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    local_size: int = 1  # the job's processes on this machine
 
     @property
     def main(self) -> bool:
@@ -64,7 +65,8 @@ class World:
 def world_from_env() -> World:
     """The process's place in a torchrun job (one process: rank 0 of 1)."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    return World(int(os.environ.get("RANK", "0")), size, int(os.environ.get("LOCAL_RANK", "0")))
+    return World(int(os.environ.get("RANK", "0")), size, int(os.environ.get("LOCAL_RANK", "0")),
+                 int(os.environ.get("LOCAL_WORLD_SIZE", str(size))))
 
 
 def init(world: World, device: torch.device) -> None:
