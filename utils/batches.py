@@ -23,7 +23,8 @@ def default_workers(local_processes: int = 1, cores: int | None = None) -> int:
     (results/scaling/loader-profile-cardamage-640-h200-host.json), so 8 workers give about 250 img/s, where gelan-c's
     QAT step takes 387 on one H200 (results/scaling/h200x2/2026-11-29-b/). Upstream's loader still caps them at its
     cores per GPU and the batch size."""
-    cores = cores or len(os.sched_getaffinity(0))
+    if not cores:  # the cores this process may run on (taskset, a container's cpuset); all of them where unknown
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(0, cores // max(local_processes, 1) - 1)
 
 
