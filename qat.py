@@ -21,7 +21,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from models.core.distributed import world_from_env  # noqa: E402
+from models.core.distributed import loader_workers, world_from_env  # noqa: E402
 from models.deployment.evaluate import NMSConfig  # noqa: E402
 from models.finetuning.fast_step import STEP_MODES  # noqa: E402
 from models.finetuning.finetune import DISTILL_TARGETS, LR_SCHEDULES, RECIPES, QATRecipe  # noqa: E402
@@ -29,7 +29,6 @@ from models.analysis import evaluate_checkpoint, sensitivity  # noqa: E402
 from models.pipeline import CONTROL_PARTS, RunConfig, quantize, resume  # noqa: E402
 from models.quantization.backends import BACKENDS, DEFAULT_BACKEND, get_backend  # noqa: E402
 from models.quantization.quantize import CALIB_METHODS, QuantRecipe, skip_patterns  # noqa: E402
-from utils.batches import default_workers  # noqa: E402
 from utils.datasplit import SelectConfig  # noqa: E402
 from utils.io_utils import OutputDir, cli_main  # noqa: E402
 
@@ -163,8 +162,7 @@ def parse_opt(argv=None):
     e = sub.add_parser("eval", help="evaluate a quantized checkpoint")
     _common(e, "runs/qat_eval")
     opt = parser.parse_args(argv)
-    if opt.workers is None:
-        opt.workers = default_workers(world_from_env().local_size)
+    opt.workers = loader_workers(opt.workers, world_from_env())
     _check(parser, opt)
     return opt
 

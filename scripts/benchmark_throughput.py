@@ -58,10 +58,8 @@ def parse_opt(argv=None):
     p.add_argument("--hyp", default="data/hyps/hyp.scratch-high.yaml")
     p.add_argument("--out", type=Path, default=overlay_repo() / "results" / "scaling")
     opt = p.parse_args(argv)
-    if opt.workers is None:
-        from models.core.distributed import world_from_env
-        from utils.batches import default_workers
-        opt.workers = default_workers(world_from_env().local_size)
+    from models.core.distributed import loader_workers, world_from_env
+    opt.workers = loader_workers(opt.workers, world_from_env())
     return opt
 
 

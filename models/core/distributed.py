@@ -69,6 +69,12 @@ def world_from_env() -> World:
                  int(os.environ.get("LOCAL_WORLD_SIZE", str(size))))
 
 
+def loader_workers(requested: int | None, world: World) -> int:
+    """--workers as given, or this process's share of its machine's cores less one (utils.batches.default_workers)."""
+    from utils.batches import default_workers
+    return default_workers(world.local_size) if requested is None else requested
+
+
 def init(world: World, device: torch.device) -> None:
     """Join the process group: NCCL for CUDA devices, gloo for CPUs, with a timeout so that a rank that died ends
     the job with an error rather than leaving the others waiting."""
