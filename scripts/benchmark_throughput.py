@@ -7,7 +7,8 @@ step (models/finetuning/finetune.py FineTuner), for QAT and its float control.
     torchrun --standalone --nproc_per_node 2 scripts/benchmark_throughput.py ... --device 0,1
 
 Run from the patched YOLOv9 checkout. Weights are random (throughput does not depend on what a model learned);
-calibration uses max on a few batches. For each arm: `--warmup` untimed steps, then `--steps` timed steps
+calibration uses max on a few batches. For each arm: `--warmup` untimed steps (more where the loader's workers
+load more batches ahead: those are ready after the first step's compile), then `--steps` timed steps
 (images/s over them, the device synchronized at both ends only), then `--breakdown-steps` steps with the device
 synchronized at every phase boundary (models/finetuning/finetune.py StepClock: the seconds per phase, which add up to
 more than a free-running step). Rank 0 writes OUT/<model>.json (results/scaling/ by default), keeping the entries of
@@ -22,6 +23,7 @@ import copy
 import gc
 import itertools
 import json
+import math
 import statistics
 import sys
 import time
@@ -48,7 +50,7 @@ def parse_opt(argv=None):
     p.add_argument("--cache", nargs="?", const="ram", default=None, choices=("ram", "disk"),
                    help="decoded training images kept in RAM (or on disk), as qat.py quantize --cache")
     p.add_argument("--step", choices=STEP_MODES, default="auto", help="as qat.py quantize --step")
-    p.add_argument("--loader-batches", type=int, default=40, help="batches of the loader alone timed first (0: none)")
+    p.add_argument("--loader-batches", type=int, default=40, help="batches of the loader alone timed first, at least (0: none)")
     p.add_argument("--device", default="0")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=50)
@@ -63,27 +65,38 @@ def parse_opt(argv=None):
     return opt
 
 
-def loader_images_per_s(loader, device, n: int, batch: int) -> float:
-    """The loader alone: images/s over `n` batches after 5 (workers started, first batches decoded)."""
+def warmup_steps(asked: int, loader) -> int:
+    """`asked`, or more: one past the batches the loader's workers load before they are asked for (`prefetch_factor`
+    each). All of those are ready after the first step's compile, and steps served from them never wait for it."""
+    return max(asked, loader.num_workers * (loader.prefetch_factor or 0) + 1)
+
+
+def loader_images_per_s(loader, device, n: int, batch: int) -> tuple[float, int]:
+    """The loader alone: images/s and the batches timed, at least `n`, from when each worker has delivered its first
+    batch (their start behind) over whole rounds of the workers: the workers' batches of a round arrive together,
+    and a clock started inside a round would count batches loaded before it."""
     from utils.batches import seeded_batches
+    workers = max(loader.num_workers, 1)
+    skip, timed = max(5, workers), workers * max(2, math.ceil(n / workers))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = None
-    for i, _ in enumerate(seeded_batches(loader, device, n + 5, 0)):
-        if i == 4:
+    for i, _ in enumerate(seeded_batches(loader, device, skip + timed, 0)):
+        if i == skip - 1:
             sync()
             t0 = time.perf_counter()
     sync()
-    return round(n * batch / (time.perf_counter() - t0), 1)
+    return round(timed * batch / (time.perf_counter() - t0), 1), timed
 
 
-def arm_result(tuner, loader, device, opt) -> dict:
+def arm_result(tuner, loader, device, opt, warmup: int) -> dict:
     """Images/s over the timed steps, then the per-phase breakdown (per step, seconds). All three parts read one
     stream of batches, as an epoch of qat.py does: the loader's start (its workers, their first batches) falls in
-    the warm-up, as it does once an epoch, not in the timed steps."""
+    the `warmup` steps, as it does once an epoch, and so do the batches loaded ahead while the first step compiled
+    (`warmup_steps`): the timed steps wait for the loader as long steps of a run do."""
     from models.finetuning.finetune import StepClock
     from utils.batches import seeded_batches
 
-    stream = seeded_batches(loader, device, opt.warmup + opt.steps + opt.breakdown_steps + opt.profile_steps, 1)
+    stream = seeded_batches(loader, device, warmup + opt.steps + opt.breakdown_steps + opt.profile_steps, 1)
 
     def run(n: int, stamps: list[float] | None = None) -> float:
         sync()
@@ -94,7 +107,7 @@ def arm_result(tuner, loader, device, opt) -> dict:
         return time.perf_counter() - t0
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    run(opt.warmup)
+    run(warmup)
     stamps: list[float] = []
     with full_collections() as collections:
         seconds = run(opt.steps, stamps)
@@ -202,8 +215,9 @@ def main(argv=None) -> int:
             results["gpu_peer_access"] = all(torch.cuda.can_device_access_peer(a, b)
                                              for a in range(n) for b in range(n) if a != b)
         if opt.loader_batches:
-            results["loader_images_per_s"] = loader_images_per_s(loader, device, opt.loader_batches,
-                                                                 opt.batch_size // world.size)
+            results["loader_images_per_s"], results["loader_batches_timed"] = loader_images_per_s(
+                loader, device, opt.loader_batches, opt.batch_size // world.size)
+        results["warmup_steps"] = warmup = warmup_steps(opt.warmup, loader)
         to_layout(teacher, plan)
         calib = [b.images for b in seeded_batches(train_loader(task, data, cfg, hyp, augment=False, world=world),
                                                   device, 2, 0)]
@@ -217,9 +231,9 @@ def main(argv=None) -> int:
             to_layout(student, plan)
             forward = compiled(data_parallel(student, world, device), plan)
             with QATObjective(RECIPES["default"], student, teacher, hyp, forward, compiled(teacher, plan)) as objective:
-                tuner = FineTuner(objective, 1, opt.warmup + opt.steps + opt.breakdown_steps,
+                tuner = FineTuner(objective, 1, warmup + opt.steps + opt.breakdown_steps,
                                   amp=device.type == "cuda", plan=plan)
-                results[arm] = arm_result(tuner, loader, device, opt)
+                results[arm] = arm_result(tuner, loader, device, opt, warmup)
             world.barrier()
         if world.main:
             write(opt, results, world.size)

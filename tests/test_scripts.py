@@ -679,3 +679,21 @@ def test_throughput_benchmark_times_each_step_and_notes_full_collections_and_pro
     summary = bt.profile_summary(prof, 3)
     assert summary.startswith("3 steps: ") and "ms/step, GPU busy 0%" in summary.splitlines()[0]
     assert "aten::mm" in summary
+
+
+def test_throughput_benchmark_times_the_loader_past_what_its_workers_load_ahead(demo_data):
+    """The batches the loader's workers have ready before they are asked for (all of them after a first step's
+    compile) are no measure of the loader: the loader alone is timed from when each worker has delivered its first
+    batch, over whole rounds of its workers (a round arrives together), and the QAT steps are timed only after the
+    warm-up has taken every batch loaded ahead. Asserted on upstream's real loader with 2 workers."""
+    import torch
+    from models.core.task import DETECT
+    from utils.batches import load_data, load_hyp, seeded_rank_loader
+    bt = load_script(CHECKOUT / "scripts" / "benchmark_throughput.py", "benchmark_throughput")
+    data, hyp = load_data(demo_data), load_hyp(CHECKOUT / "data" / "hyps" / "hyp.scratch-high.yaml")
+    made, _ = DETECT.dataloader(data["train"], IMGSZ, 2, 32, augment=False, hyp=hyp, workers=2, shuffle=True)
+    loader = seeded_rank_loader(made, 1, 0)
+    assert loader.prefetch_factor == 2  # torch's default: each worker loads 2 batches ahead
+    assert bt.warmup_steps(1, loader) == 5 and bt.warmup_steps(10, loader) == 10
+    images_per_s, timed = bt.loader_images_per_s(loader, torch.device("cpu"), 3, 2)
+    assert timed == 4 and images_per_s > 0  # 3 batches asked: two whole rounds of 2 workers
