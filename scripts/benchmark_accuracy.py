@@ -4,7 +4,7 @@ calibration, QAT, the best of PTQ and every QAT epoch delivered) vs its float co
 quantizers disabled) vs NVIDIA Model Optimizer's ONNX PTQ, over seeds, with every choice made on a selection split.
 
     python scripts/benchmark_accuracy.py --dataset helmet --data /data/helmet-416/data.yaml --imgsz 416 \\
-        --models gelan-s=assets/gelan-s-helmet.pt --seeds 0 1 2 --device 0 --batch-size 32 [--modelopt]
+        --models gelan-s=assets/gelan-s-helmet.pt --seeds 0 1 2 --device 0 --batch-size 32 [--modelopt [METHOD ...]]
     python scripts/benchmark_accuracy.py --render [--check] [--docs]   # tables in --out [and README, RESULTS]
 
 Run from the patched YOLOv9 checkout. The training images are split into `fit` (calibration and fine-tuning) and
@@ -246,7 +246,7 @@ class ModelBench:
         calibration of that seed used (`samples`: names per seed, in order), the DFL conv kept float as in ours."""
         b = self.bench
         fp_onnx = export(self._float_copy(), "fp32", b)
-        jobs = [(m, s) for m in MODELOPT_METHODS for s in b.seeds]
+        jobs = [(m, s) for m in b.modelopt for s in b.seeds]
 
         def one(job):
             m, s = job
@@ -265,7 +265,7 @@ class ModelBench:
                     "calib_images": len(files), "calibration_sample": sample_id(files)}
         with self.pool() as pool:
             runs = dict(zip(jobs, pool.map(one, jobs)))
-        return {m: {str(s): runs[(m, s)] for s in b.seeds} for m in MODELOPT_METHODS}
+        return {m: {str(s): runs[(m, s)] for s in b.seeds} for m in b.modelopt}
 
     def add_modelopt(self, entry: dict, samples: dict[str, list[str]], ours: Path | None = None) -> None:
         """The peer's rows of --seeds in `entry` (beside those of other seeds it has), its choice on select, and the
@@ -530,7 +530,9 @@ def parse_opt(argv=None):
     p.add_argument("--jobs", type=int, default=1, help="runs at a time in each of two phases side by side")
     p.add_argument("--ort-seeds", type=int, default=None,
                    help="the first N seeds' delivered graphs measured in ONNX Runtime (default: every seed)")
-    p.add_argument("--modelopt", action="store_true", help="also run NVIDIA Model Optimizer's ONNX PTQ")
+    p.add_argument("--modelopt", nargs="*", choices=MODELOPT_METHODS, default=None, metavar="METHOD",
+                   help=f"also run NVIDIA Model Optimizer's ONNX PTQ with these calibration methods (none named: "
+                        f"{' and '.join(MODELOPT_METHODS)}); with --add-peer, the methods it adds")
     p.add_argument("--add-peer", action="store_true",
                    help="only add Model Optimizer's PTQ to each model's existing entry (its run folders may be gone): "
                         "the entry's command with --add-peer (--seeds: all of the entry's, or some)")
@@ -560,7 +562,7 @@ def parse_opt(argv=None):
         p.error(f"--data {opt.data}: file not found")
     if len(set(opt.seeds)) < len(opt.seeds):
         p.error(f"--seeds {' '.join(map(str, opt.seeds))}: repeated")
-    if (opt.modelopt or opt.add_peer) and importlib.util.find_spec("modelopt") is None:
+    if (opt.modelopt is not None or opt.add_peer) and importlib.util.find_spec("modelopt") is None:
         p.error(f"{'--add-peer' if opt.add_peer else '--modelopt'}: nvidia-modelopt is not installed "
                 "(./install_dependencies.sh --modelopt)")
     if sum((opt.add_peer, opt.add_ranges, opt.add_ort)) > 1:
@@ -584,12 +586,20 @@ def _pairs(parser, items):
         yield name, value
 
 
+def peer_methods(opt: argparse.Namespace) -> tuple[str, ...]:
+    """Model Optimizer's calibration methods this command runs: none without --modelopt or --add-peer, every one
+    where --modelopt names none."""
+    if opt.modelopt is None and not opt.add_peer:
+        return ()
+    return tuple(dict.fromkeys(opt.modelopt or MODELOPT_METHODS))
+
+
 def bench_from(opt: argparse.Namespace) -> Bench:
     """The run's settings; its steps' thread count is the caller's, read now, before the models' loading imports
     upstream's utils.general (which resets OMP_NUM_THREADS for every process started after it)."""
     return Bench(opt.dataset, str(Path(opt.data).resolve()), opt.imgsz, opt.device, opt.batch_size, opt.workers,
                  tuple(opt.seeds), tuple(opt.methods), opt.qat_epochs, opt.iters, opt.calib_batches,
-                 tuple(shlex.split(opt.qat_args)), opt.modelopt, tuple(opt.skip), opt.jobs,
+                 tuple(shlex.split(opt.qat_args)), peer_methods(opt), tuple(opt.skip), opt.jobs,
                  opt.ort_seeds or len(opt.seeds), opt.work.resolve(), opt.out.resolve(), opt.max_loss, opt.cache,
                  os.environ.get("OMP_NUM_THREADS"))
 

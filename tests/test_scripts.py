@@ -173,7 +173,8 @@ def test_patch_with_a_relative_target_from_another_folder(tmp_path):
 def bench_run(demo_data16, tmp_path_factory):
     """The accuracy benchmark's whole path at tiny size, once, with the trained demo gelan-t (its mAPs are not 0:
     every comparison below compares real numbers): 2 seeds, the default command with its float control and its
-    --max-loss 0 variant, one recipe variant; with Model Optimizer's PTQ where nvidia-modelopt is installed."""
+    --max-loss 0 variant, one recipe variant; with Model Optimizer's PTQ (its max calibration: each of its methods is
+    one more step of the same code) where nvidia-modelopt is installed."""
     import importlib.util
     from conftest import TRAINED_T
     tmp = tmp_path_factory.mktemp("bench")
@@ -182,7 +183,7 @@ def bench_run(demo_data16, tmp_path_factory):
             "--batch-size", 2, "--device", "cpu", "--workers", 0, "--seeds", 0, 1, "--methods", "max",
             "percentile-99.9", "--qat-epochs", 1, "--iters", 1, "--calib-batches", 1, "--jobs", 2, "--ort-seeds", 1,
             "--max-loss", 0, "--work", tmp / "work", "--out", tmp / "results", "--ablation", "det-3",
-            *(["--modelopt"] if modelopt else [])]
+            *(["--modelopt", "max"] if modelopt else [])]
     r = run_cli("scripts/benchmark_accuracy.py", *args, timeout=1500)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     entry = json.loads((tmp / "results" / "demo" / "gelan-t" / "entry.json").read_text())
@@ -191,8 +192,9 @@ def bench_run(demo_data16, tmp_path_factory):
 
 def on_seed_one(args: list) -> list[str]:
     """The benchmark fixture's command for seed 1 only, without the peer (a step added to its entry later)."""
+    peer = args.index("--modelopt") if "--modelopt" in args else len(args)
     return [str(a) for a in args[:args.index("--seeds")]] + ["--seeds", "1"] + \
-        [str(a) for a in args[args.index("--methods"):] if a != "--modelopt"]
+        [str(a) for a in args[args.index("--methods"):peer]]
 
 
 def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(bench_run, demo_data16):
@@ -208,7 +210,7 @@ def test_benchmark_accuracy_chooses_on_select_and_resumes_on_cpu(bench_run, demo
     prov = e["provenance"]
     assert prov["seeds"] == [0, 1] and prov["split"]["fingerprint"] == split["split"]["fingerprint"]
     assert prov["weights_sha256"] == hashlib.sha256(TRAINED_T.read_bytes()).hexdigest()
-    assert prov["command"].endswith("--ablation det-3" + (" --modelopt" if modelopt else ""))
+    assert prov["command"].endswith("--ablation det-3" + (" --modelopt max" if modelopt else ""))
     assert len(prov["commit"]) >= 7 and prov["machine"]["torch"] and prov["steps_ran_on"] == [
         f"CPU (torch {prov['machine']['torch']})"]  # the steps' own logs: where they ran
     # the choice is the method with the best mean on select, whatever val says
@@ -322,6 +324,12 @@ def test_benchmark_peer_calibrates_on_our_images_and_is_added_to_an_entry_later(
     if not modelopt:
         pytest.skip("nvidia-modelopt is not installed (./install_dependencies.sh --modelopt): the peer is optional")
     out, work = tmp / "results", tmp / "work"
+    assert set(e["modelopt"]) == {"max"}  # the methods --modelopt named; none named: every one
+    from argparse import Namespace
+    bench = load_script(CHECKOUT / "scripts" / "benchmark_accuracy.py", "benchmark_accuracy")
+    assert bench.peer_methods(Namespace(modelopt=[], add_peer=False)) == bench.MODELOPT_METHODS == ("max", "entropy")
+    assert bench.peer_methods(Namespace(modelopt=None, add_peer=True)) == bench.MODELOPT_METHODS
+    assert bench.peer_methods(Namespace(modelopt=None, add_peer=False)) == ()
     assert e["modelopt"]["max"]["1"]["calibration_sample"] == e["ptq"][e["ptq_choice"]]["1"]["calibration_sample"]
     assert e["modelopt"]["max"]["0"]["lint"]["unshared_joins"] > 0 == e["ours_lint"]["unshared_joins"]
     assert all(r["val"]["ap"] > 0 for runs in e["modelopt"].values() for r in runs.values())
@@ -332,7 +340,7 @@ def test_benchmark_peer_calibrates_on_our_images_and_is_added_to_an_entry_later(
     gone = tmp / "gone"
     shutil.move(work / "demo" / "gelan-t", gone)
     try:
-        r = run_cli("scripts/benchmark_accuracy.py", *on_seed_one(args), "--add-peer")
+        r = run_cli("scripts/benchmark_accuracy.py", *on_seed_one(args), "--modelopt", "max", "--add-peer")
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         added = json.loads(entry.read_text())
         assert {m: {s: v["val"] for s, v in runs.items()} for m, runs in added["modelopt"].items()} == \

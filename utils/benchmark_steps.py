@@ -37,7 +37,7 @@ class Bench:
     iters: int
     calib_batches: int
     qat_args: tuple[str, ...]
-    modelopt: bool
+    modelopt: tuple[str, ...]  # Model Optimizer's calibration methods run as the peer (none: no peer)
     skip: tuple[str, ...]
     jobs: int
     ort_seeds: int
