@@ -58,6 +58,9 @@ def parse_opt(argv=None):
     p.add_argument("--profile-steps", type=int, default=0,
                    help="then this many free-running steps under torch.profiler (rank 0's summary: JSON and log)")
     p.add_argument("--hyp", default="data/hyps/hyp.scratch-high.yaml")
+    p.add_argument("--cudnn-benchmark", action="store_true",
+                   help="cuDNN times its algorithms for each new shape and keeps the fastest (qat.py does not: an "
+                        "experiment; the training shapes are fixed here)")
     p.add_argument("--out", type=Path, default=overlay_repo() / "results" / "scaling")
     opt = p.parse_args(argv)
     from models.core.distributed import loader_workers, world_from_env
@@ -209,7 +212,8 @@ def main(argv=None) -> int:
                       workers=opt.workers, cache=opt.cache)
         loader = train_loader(task, data, cfg, hyp, augment=True, world=world)
         plan = plan_step(opt.step, device, learn_amax=False)
-        results = {"step_plan": plan.reason}
+        torch.backends.cudnn.benchmark = opt.cudnn_benchmark  # this process's own setting, for its whole run
+        results = {"step_plan": plan.reason, "cudnn_benchmark": opt.cudnn_benchmark}
         if world.distributed and device.type == "cuda":  # without peer access NCCL goes through host memory
             n = torch.cuda.device_count()
             results["gpu_peer_access"] = all(torch.cuda.can_device_access_peer(a, b)
