@@ -50,7 +50,8 @@ def parse_opt(argv=None):
     p.add_argument("--cache", nargs="?", const="ram", default=None, choices=("ram", "disk"),
                    help="decoded training images kept in RAM (or on disk), as qat.py quantize --cache")
     p.add_argument("--step", choices=STEP_MODES, default="auto", help="as qat.py quantize --step")
-    p.add_argument("--loader-batches", type=int, default=40, help="batches of the loader alone timed first, at least (0: none)")
+    p.add_argument("--loader-batches", type=int, default=40,
+                   help="batches of the loader alone timed first, at least (0: none)")
     p.add_argument("--device", default="0")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=50)
