@@ -329,14 +329,18 @@ class PreloadedPython:
         self.server.wait()
 
 
-_PRELOADED: dict[tuple, PreloadedPython] = {}  # this worker's servers by environment, the latest last
+_PRELOADED: dict[tuple, PreloadedPython] = {}  # this worker's servers by environment, the last used last
 KEEP_SERVERS = 3  # the session's environment, one test's own and a torchrun test's (~0.9 GB each)
 
 
 def _server(env: dict, cwd: Path, libraries_only: bool = False) -> PreloadedPython:
+    """The server for `env`, started if none is kept; the least recently used one closed to make room (the session's
+    own environment, used by most tests, is not closed for a test's own: a start costs ~4 s)."""
     env = _served(env)
     key = (libraries_only, *sorted(env.items()))
-    if key not in _PRELOADED:
+    if key in _PRELOADED:
+        _PRELOADED[key] = _PRELOADED.pop(key)
+    else:
         while len(_PRELOADED) >= KEEP_SERVERS:
             _PRELOADED.pop(next(iter(_PRELOADED))).close()
         _PRELOADED[key] = PreloadedPython(env, cwd, libraries_only)

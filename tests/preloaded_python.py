@@ -28,7 +28,8 @@ so its forks can be torchrun's agent and ranks (conftest.preloaded_torchrun).
 Invalidation: a server serves one environment (its start environment, less PYTEST_CURRENT_TEST; a `--libraries`
 server also any that differs from it only in RANK_VARIABLES, which its forks take over) and the code of the modules
 it preloaded at its start; the client (conftest) starts a new one when the environment differs, and none outlives a
-test session, in which the checkout is not edited.
+test session, in which the checkout is not edited. What torch read at import from OMP_NUM_THREADS (its thread count)
+a fork sets again from its own environment (Served.threads_for).
 """
 from __future__ import annotations
 
@@ -69,20 +70,38 @@ def is_rank_variable(name: str) -> bool:
 @dataclass(frozen=True)
 class Served:
     """What a server's forks can be: its environment after its imports, what those imports added to it (a fresh
-    interpreter's imports add the same where the variable is unset: torch's inductor cache folder), and whether
-    it preloaded LIBRARIES only."""
+    interpreter's imports add the same where the variable is unset: torch's inductor cache folder), whether it
+    preloaded LIBRARIES only, and the OMP_NUM_THREADS its torch read at import (that of its start environment)."""
     env: dict
     added: dict
     libraries_only: bool
+    threads_read: int | None
 
     def environment_for(self, env: dict) -> dict | None:
         """The environment a fresh interpreter started with `env` has after the preloaded imports, if a fork of
-        this server is that interpreter; None if not."""
+        this server is that interpreter (torch's thread count set as `threads_for` says); None if not."""
+        if threads_var(env) is None and self.threads_read is not None:
+            return None  # torch's own default count: what a fork cannot tell
         if not self.libraries_only:
             return env if env == self.env else None
         env = {**self.added, **env}
         keys = env.keys() | self.env.keys()
         return env if all(env.get(k) == self.env.get(k) for k in keys if not is_rank_variable(k)) else None
+
+    def threads_for(self, env: dict) -> int | None:
+        """The intra-op thread count that a fresh interpreter started with `env` gives torch at import, where it
+        differs from this server's; None where they agree. The checkout's imports rewrite OMP_NUM_THREADS
+        (upstream's utils.general: min(8, cores - 1)), so a script's environment, and its children's, can name
+        another count than the one the server's torch read (the accuracy benchmark's test, its steps given two threads
+        where they asked for one, several at once on two cores: 290 s against 46)."""
+        wanted = threads_var(env)
+        return None if wanted is None or wanted == self.threads_read else wanted
+
+
+def threads_var(env: dict) -> int | None:
+    """OMP_NUM_THREADS in `env` as torch reads it at import (a positive integer), else None."""
+    value = env.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def _main_file(request: dict) -> str:
@@ -107,6 +126,9 @@ def _child(request: dict) -> int:
     if "env" in request:  # a launcher's: the server's but for what Served.environment_for lets differ
         os.environ.clear()
         os.environ.update(request["env"])
+    if request.get("threads"):
+        import torch
+        torch.set_num_threads(request["threads"])
     if request.get("unbuffered"):
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(write_through=True)
@@ -200,6 +222,7 @@ def _supervise(conn: socket.socket, served: Served) -> None:
             os._exit(0)
         msg += chunk
     request = json.loads(msg)
+    request["threads"] = served.threads_for(request["env"])
     request["env"] = served.environment_for(request["env"])
     if request["env"] is None or len(fds) != 3:
         conn.sendall(b'{"fallback": true}\n')
@@ -249,7 +272,7 @@ def serve(libraries_only: bool) -> None:
     listener.listen()
     os.environ[SOCKET_VAR] = str(folder / "socket")
     served = Served(dict(os.environ), {k: v for k, v in os.environ.items() if k not in before and k != SOCKET_VAR},
-                    libraries_only)
+                    libraries_only, threads_var(before))
     sys.executable = str(_launcher(folder))  # what the children start their own children with
     print(json.dumps({"ready": True, "launcher": sys.executable, "socket": os.environ[SOCKET_VAR]}), flush=True)
     waiting, supervisors = set(), set()  # the test process's children (answered when they end); launchers'

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CHECKOUT, free_port, preloaded_torchrun, run_preloaded
-from preloaded_python import LIBRARIES, is_rank_variable, launcher_gone
+from preloaded_python import LIBRARIES, Served, is_rank_variable, launcher_gone
 
 INNER = r'''
 import os, sys
@@ -200,6 +200,23 @@ print(sorted(k for k in read if is_rank_variable(k)), len(read) > 0)
                        timeout=120)
     assert (r.returncode, r.stdout) == (0, "[] True\n"), r.stderr[-2000:]
     assert is_rank_variable("LOCAL_RANK") and is_rank_variable("TORCHELASTIC_RUN_ID")
+
+
+def test_a_fork_runs_torch_on_the_threads_its_environment_names_not_the_servers():
+    """A server preloaded the checkout with OMP_NUM_THREADS=2; upstream's utils.general rewrote it to 1, so a
+    script's child asks for an environment naming 1, which a fresh interpreter's torch would read at import: the
+    fork gets 1 thread, and an environment naming none (torch's own default) is not served by a fork."""
+    served = Served({"OMP_NUM_THREADS": "1", "A": "a"}, {}, libraries_only=False, threads_read=2)
+    asked = {"OMP_NUM_THREADS": "1", "A": "a"}
+    assert served.environment_for(asked) == asked and served.threads_for(asked) == 1
+    same = Served(asked, {}, libraries_only=False, threads_read=1)
+    assert same.environment_for(asked) == asked and same.threads_for(asked) is None
+    read_two = Served({"A": "a"}, {}, libraries_only=False, threads_read=2)  # the checkout's imports removed it
+    assert read_two.environment_for({"A": "a"}) is None
+    assert same.environment_for({"A": "a", "OMP_NUM_THREADS": "x"}) is None
+    unset = Served({"A": "a"}, {}, libraries_only=True, threads_read=None)
+    assert unset.environment_for({"A": "a"}) == {"A": "a"} and unset.threads_for({"A": "a"}) is None
+    assert unset.threads_for({"A": "a", "OMP_NUM_THREADS": "3"}) == 3
 
 
 @pytest.mark.parametrize("unread", [b"", b'{"pid": 1}\n'], ids=["read its answer", "killed before reading it"])
