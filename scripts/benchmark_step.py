@@ -9,7 +9,8 @@ finish, compile included).
         --steps inductor eager --devices 0 1 --out results/fast-step/gelan-s-helmet-416.json -- --workers 4
 
 Run from the patched YOLOv9 checkout, on CUDA GPUs. Each run compiles with an inductor cache of its own, empty at
-its start: a first run's compile, as a user's first run pays it. Arguments after `--` go to every qat.py run.
+its start: a first run's compile, as a user's first run pays it (`--devices cpu`, a trial: nothing compiles).
+Arguments after `--` go to every qat.py run.
 Writes --out (JSON, with each run's report.json beside it under --project), the select curves beside it (PNG) and
 prints a table; `--render OUT.json` draws the curves of a recorded result again.
 """
@@ -60,9 +61,9 @@ def start(opt, seed: int, step: str, device: str) -> dict:
     name = f"{Path(opt.weights).stem}-{opt.imgsz}-seed{seed}-{step}"
     folder = opt.project / name
     folder.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(folder / "inductor-cache"))
-    if device != "cpu":  # the run sees its GPU alone, as device 0
-        env["CUDA_VISIBLE_DEVICES"] = device
+    env = dict(os.environ)
+    if device != "cpu":  # the run sees its GPU alone, as device 0, and compiles cold, in a cache of its own
+        env.update(CUDA_VISIBLE_DEVICES=device, TORCHINDUCTOR_CACHE_DIR=str(folder / "inductor-cache"))
     if opt.compile_threads:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(opt.compile_threads)
     cmd = [sys.executable, "qat.py", "quantize", "--weights", opt.weights, "--data", opt.data, "--imgsz",
