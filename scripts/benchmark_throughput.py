@@ -60,8 +60,8 @@ def parse_opt(argv=None):
                    help="then this many free-running steps under torch.profiler (rank 0's summary: JSON and log)")
     p.add_argument("--hyp", default="data/hyps/hyp.scratch-high.yaml")
     p.add_argument("--cudnn-benchmark", action="store_true",
-                   help="cuDNN times its algorithms for each new shape and keeps the fastest (qat.py does not: an "
-                        "experiment; the training shapes are fixed here)")
+                   help="cuDNN times its algorithms for each new shape and keeps the fastest (qat.py does not: "
+                        "no faster for gelan-c on an H200, results/scaling/h200x2/2026-11-30-b/)")
     p.add_argument("--out", type=Path, default=overlay_repo() / "results" / "scaling")
     opt = p.parse_args(argv)
     from models.core.distributed import loader_workers, world_from_env
