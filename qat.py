@@ -29,6 +29,7 @@ from models.analysis import evaluate_checkpoint, sensitivity  # noqa: E402
 from models.pipeline import CONTROL_PARTS, RunConfig, quantize, resume  # noqa: E402
 from models.quantization.backends import BACKENDS, DEFAULT_BACKEND, get_backend  # noqa: E402
 from models.quantization.quantize import CALIB_METHODS, QuantRecipe, skip_patterns  # noqa: E402
+from utils.batches import CACHE_CHOICES  # noqa: E402
 from utils.datasplit import SelectConfig  # noqa: E402
 from utils.io_utils import OutputDir, cli_main  # noqa: E402
 
@@ -91,9 +92,10 @@ def _mixed_flags(q):
 def _run_flags(q):
     q.add_argument("--iters", type=int, default=200, help="QAT iterations per epoch (0: one pass over the images)")
     q.add_argument("--epochs", type=int, default=10, help="QAT epochs (0: PTQ only)")
-    q.add_argument("--cache", type=str, nargs="?", const="ram", default=None, choices=("ram", "disk"),
-                   help="decode the training images once, kept in RAM (or .npy files on disk), as upstream's --cache: "
-                        "the same pixels, less CPU per step (upstream checks the RAM first)")
+    q.add_argument("--cache", type=str, nargs="?", const="ram", default="auto", choices=CACHE_CHOICES,
+                   help="the fine-tuning images decoded once, kept in RAM (or .npy files on disk), as upstream's "
+                        "--cache: the same pixels, less CPU per step; auto: in RAM on a CUDA GPU where this machine's "
+                        "processes' copies fit in half the free RAM (the log says which and why); off: never")
     q.add_argument("--step", choices=STEP_MODES, default="auto",
                    help="the fine-tuning step: auto compiles it on a CUDA GPU where the planned iterations repay the "
                         "compile (channels-last, CUDA graphs; the log says which and why), inductor or cudagraphs "

@@ -48,7 +48,8 @@ from models.quantization.checkpoint import (copy_checkpoint, load_float_model, l
                                             save_checkpoint, trained_overlap)
 from models.quantization.quantize import (QuantRecipe, collect_statistics, copy_float, holds_scales, is_enabled,
                                           named_quantizers, quantize_model, quantizer_counts)
-from utils.batches import load_data, load_hyp, seeded_batches, seeded_epochs, seeded_indices, seeded_rank_loader
+from utils.batches import (CACHE_CHOICES, cache_choice, load_data, load_hyp, seeded_batches, seeded_epochs,
+                           seeded_indices, seeded_rank_loader)
 from utils.datasplit import SelectConfig, SelectSplit, split_for
 from utils.general import LOGGER, colorstr
 from utils.interrupts import Interrupted, StopBetweenSteps
@@ -71,7 +72,7 @@ class RunConfig:
     imgsz: int = 640
     batch_size: int = 10
     workers: int = 8
-    cache: str | None = None          # upstream's --cache: training images decoded once, kept in "ram" or on "disk"
+    cache: str = "auto"               # the fine-tuning loader's images: utils/batches.py `cache_choice`
     overlap: bool | None = None       # segmentation training masks (--overlap/--no-overlap); None: as the float model's
     step: str = "auto"                # fine-tuning step: compiled where it can be (finetuning/fast_step.py) or eager
     num_image: int | None = None      # evaluate on the first N validation images only
@@ -93,8 +94,8 @@ class RunConfig:
     def __post_init__(self):
         if self.epochs < 0 or self.iters < 0:
             raise ValueError("--epochs and --iters must be >= 0")
-        if self.cache not in (None, "ram", "disk"):
-            raise ValueError(f"--cache {self.cache}: ram or disk")
+        if self.cache not in (*CACHE_CHOICES, None):  # None: off (report.json of a run started before auto)
+            raise ValueError(f"--cache {self.cache}: one of {', '.join(CACHE_CHOICES)}")
         if self.step not in STEP_MODES:
             raise ValueError(f"--step must be one of {STEP_MODES}, got {self.step!r}")
         if self.control and self.control not in CONTROL_PARTS:
@@ -228,14 +229,21 @@ def open_select_split(inputs: Inputs, cfg: RunConfig, folder: Path) -> None:
                                                   cfg.workers, cfg.num_image, cfg.select.data or cfg.data), cfg.imgsz)
 
 
-def train_loader(task: Task, data_dict: dict, cfg: RunConfig, hyp: dict, augment: bool, world: World = World()):
-    """Shuffled training batches: this rank's share of each global batch (utils/batches.py `seeded_rank_loader`). A
-    plain DataLoader (upstream's `close_mosaic` switch selects it; mosaic itself follows `hyp`): each pass re-draws
-    its order from `loader.generator`, which `seeded_batches` seeds, the same on every rank."""
+def train_loader(task: Task, data_dict: dict, cfg: RunConfig, hyp: dict, augment: bool, world: World = World(),
+                 cache: str | None = None):
+    """Shuffled training batches: this rank's share of each global batch (utils/batches.py `seeded_rank_loader`), a
+    plain DataLoader (upstream's `close_mosaic` switch; mosaic follows `hyp`; `cache`: `training_cache`): each pass
+    re-draws its order from `loader.generator`, which `seeded_batches` seeds, the same on every rank."""
     loader, _ = task.dataloader(data_dict["train"], cfg.imgsz, cfg.batch_size // world.size, 32, hyp=hyp,
-                                augment=augment, workers=cfg.workers, cache=cfg.cache, shuffle=True, close_mosaic=True,
+                                augment=augment, workers=cfg.workers, cache=cache, shuffle=True, close_mosaic=True,
                                 prefix=colorstr("train: "))
     return seeded_rank_loader(loader, world.size, world.rank)
+
+
+def training_cache(inputs: Inputs, cfg: RunConfig) -> tuple[str | None, str]:
+    """What the fine-tuning loader keeps of the training images, and why (their sizes: upstream's label cache)."""
+    return cache_choice(cfg.cache, inputs.device.type == "cuda", cfg.imgsz, inputs.world.local_size,
+                        lambda: train_loader(inputs.task, inputs.data_dict, cfg, {}, False).dataset.shapes)
 
 
 def calibration_sample(task: Task, fit: str | Path, cfg: RunConfig) -> list[str]:
@@ -522,12 +530,13 @@ class FineTuneStage:
             q.disable()
         if cfg.qat.learn_amax:
             learnable_amax_parameters(model)
-        loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, augment=True, world=world)
+        cache, why = training_cache(inputs, cfg)
+        loader = train_loader(inputs.task, inputs.data_dict, cfg, inputs.hyp_dict, True, world, cache)
         iters = cfg.iters or math.ceil(len(loader.dataset) / cfg.batch_size)  # 0: one pass over the images
         plan = plan_step(cfg.step, inputs.device, cfg.qat.learn_amax, iterations=(cfg.epochs - start) * iters,
                          batch=cfg.batch_size // world.size, held_scales=holds_scales(model))
         if world.main:
-            LOGGER.info(f"{PREFIX}fine-tuning step: {plan.reason}")
+            LOGGER.info(f"{PREFIX}fine-tuning step: {plan.reason}; training images {why}")
         to_layout(model, plan)
         to_layout(teacher, plan)
         same_on_every_rank(world, "quantizers turned off",
@@ -536,7 +545,7 @@ class FineTuneStage:
         with QATObjective(cfg.qat, model, teacher, inputs.hyp_dict, forward, compiled(teacher, plan),
                           task=inputs.task) as objective:
             tuner = FineTuner(objective, cfg.epochs, iters, amp=inputs.device.type == "cuda", plan=plan)
-            report["step"] = {"plan": plan.reason}
+            report["step"] = {"plan": plan.reason, "cache": cache, "cache_why": why}
             if state is not None:
                 tuner.load_state(state, inputs.device)
             # epochs past the saved state are run again (seeded: the same); their entries would be duplicates

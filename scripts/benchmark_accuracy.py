@@ -38,6 +38,7 @@ from utils.benchmark_steps import (Bench, calibration_array, export, images_per_
 # calibration, not quantization.quantize: that imports upstream's models.common
 from models.quantization.calibration import AUTO_CANDIDATES, calib_method_flags  # noqa: E402
 from models.deployment.runners import ort_fp16_qdq_problem  # noqa: E402
+from utils.batches import CACHE_CHOICES  # noqa: E402
 from utils.benchmark_tables import model_table, render, summarize  # noqa: E402
 from utils.datasplit import write_split  # noqa: E402
 from utils.io_utils import atomic_write, write_json  # noqa: E402
@@ -525,8 +526,9 @@ def parse_opt(argv=None):
     p.add_argument("--calib-batches", type=int, default=25)
     p.add_argument("--qat-args", default="", help="extra qat.py quantize flags for QAT and its control")
     p.add_argument("--workers", type=int, default=8, help="dataloader workers per run")
-    p.add_argument("--cache", choices=("ram", "disk"), default=None,
-                   help="qat.py quantize --cache for every run (the same batches: where it runs, not what it measures)")
+    p.add_argument("--cache", choices=CACHE_CHOICES, default=None,
+                   help="qat.py quantize --cache for every run (default: qat.py's; the same batches: where it runs, "
+                        "not what it measures)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time in each of two phases side by side")
     p.add_argument("--ort-seeds", type=int, default=None,
                    help="the first N seeds' delivered graphs measured in ONNX Runtime (default: every seed)")

@@ -48,7 +48,8 @@ def parse_opt(argv=None):
     p.add_argument("--workers", type=int, default=None,
                    help="dataloader workers per process (default: as qat.py's, its share of the cores less one)")
     p.add_argument("--cache", nargs="?", const="ram", default=None, choices=("ram", "disk"),
-                   help="decoded training images kept in RAM (or on disk), as qat.py quantize --cache")
+                   help="decoded training images kept in RAM (or on disk), as qat.py quantize --cache (default: "
+                        "decoded at every draw)")
     p.add_argument("--step", choices=STEP_MODES, default="auto", help="as qat.py quantize --step")
     p.add_argument("--loader-batches", type=int, default=40,
                    help="batches of the loader alone timed first, at least (0: none)")
@@ -210,8 +211,8 @@ def main(argv=None) -> int:
         teacher = copy_float(model)
         task = task_of(model)
         cfg = replace(RunConfig(weights="", data=opt.data, hyp=opt.hyp), imgsz=opt.imgsz, batch_size=opt.batch_size,
-                      workers=opt.workers, cache=opt.cache)
-        loader = train_loader(task, data, cfg, hyp, augment=True, world=world)
+                      workers=opt.workers)
+        loader = train_loader(task, data, cfg, hyp, augment=True, world=world, cache=opt.cache)
         plan = plan_step(opt.step, device, learn_amax=False)
         torch.backends.cudnn.benchmark = opt.cudnn_benchmark  # this process's own setting, for its whole run
         results = {"step_plan": plan.reason, "cudnn_benchmark": opt.cudnn_benchmark}

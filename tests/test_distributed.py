@@ -169,28 +169,60 @@ def _amax(weights):
 def test_cached_training_images_give_the_same_batches(demo_data, tmp_path):
     """`qat.py quantize --cache` (upstream's cache of decoded, resized images, in RAM or as .npy files beside the
     images) changes where the pixels come from, not what they are: the same seeded batches, augmentations included,
-    over two passes. The disk cache writes into the dataset's folder: a copy here."""
+    over two passes. The disk cache writes into the dataset's folder: a copy here. The RAM it takes is what `auto`
+    weighs, computed from the label cache's image sizes: it equals the decoded images' bytes."""
     import shutil
     from models.core.task import DETECT
     from models.pipeline import RunConfig, train_loader
-    from utils.batches import load_data, load_hyp, seeded_batches
+    from utils.batches import decoded_bytes, load_data, load_hyp, seeded_batches
     copy = tmp_path / "data"
     shutil.copytree(demo_data.parent, copy)
     yaml_file = copy / demo_data.name
     yaml_file.write_text(yaml_file.read_text().replace(str(demo_data.parent), str(copy)))
     data, hyp = load_data(yaml_file), load_hyp(CHECKOUT / "data" / "hyps" / "hyp.scratch-high.yaml")
+    cfg = RunConfig(weights="", data=str(yaml_file), hyp="", imgsz=int(IMGSZ), batch_size=4, workers=0)
     runs = {}
     for cache in (None, "ram", "disk"):
-        cfg = RunConfig(weights="", data=str(yaml_file), hyp="", imgsz=int(IMGSZ), batch_size=4, workers=0,
-                        cache=cache)
-        loader = train_loader(DETECT, data, cfg, hyp, augment=True)
+        loader = train_loader(DETECT, data, cfg, hyp, augment=True, cache=cache)
         assert all(im is not None for im in loader.dataset.dataset.ims) == (cache == "ram")  # decoded up front
+        if cache == "ram":
+            held = sum(im.nbytes for im in loader.dataset.dataset.ims)
+            assert decoded_bytes(loader.dataset.shapes, int(IMGSZ)) == held
         runs[cache] = list(seeded_batches(loader, torch.device("cpu"), 8, seed=3))
     assert len(list(copy.rglob("*.npy"))) == len(loader.dataset)  # one per training image
     for cache in ("ram", "disk"):
         for plain, cached in zip(runs[None], runs[cache]):
             assert plain.paths == cached.paths and torch.equal(plain.images, cached.images), cache
             assert torch.equal(plain.targets, cached.targets)
+
+
+def test_cache_auto_keeps_images_in_ram_on_a_gpu_where_every_processs_copy_fits(tmp_path):
+    """`--cache auto` (the default): in RAM on a CUDA device when this machine's processes' copies take at most half
+    the free RAM; on a CPU, or when they do not fit, decoded at every draw, the log saying why; an explicit choice
+    is kept as given, and the image sizes are read only where `auto` has to weigh them. The bytes it weighs are
+    those of upstream's `load_image` for sizes whose resize is not a whole number of pixels, too."""
+    import cv2
+    from types import SimpleNamespace
+    from utils.batches import cache_choice, decoded_bytes
+    from utils.dataloaders import LoadImagesAndLabels
+    sizes, files = [(1001, 500), (333, 777), (640, 480)], []
+    for i, (w, h) in enumerate(sizes):
+        files.append(str(tmp_path / f"{i}.png"))
+        cv2.imwrite(files[-1], np.zeros((h, w, 3), np.uint8))
+    loads = SimpleNamespace(ims=[None] * 3, im_files=files, npy_files=[tmp_path / "none.npy"] * 3, img_size=416,
+                            augment=True)
+    decoded = sum(LoadImagesAndLabels.load_image(loads, i)[0].nbytes for i in range(3))
+    assert decoded_bytes(np.array(sizes), 416) == decoded
+    gb, shapes = 1 << 30, lambda: np.array([[1280, 960]] * 1000)  # 0.86 GiB at 640 px: 640 x 480 x 3 each
+    assert cache_choice("auto", True, 640, 1, shapes, available=2 * gb)[0] == "ram"
+    none, why = cache_choice("auto", True, 640, 2, shapes, available=2 * gb)  # 1.7 of 2 GiB: more than half
+    assert none is None and "more than half" in why and "2 on this machine" in why
+    assert cache_choice("auto", True, 320, 2, shapes, available=2 * gb)[0] == "ram"  # a quarter of the bytes
+
+    def unread():
+        raise AssertionError("image sizes read for a choice that needs none")
+    assert cache_choice("auto", False, 640, 1, unread)[0] is None
+    assert [cache_choice(c, False, 640, 8, unread)[0] for c in ("ram", "disk", "off")] == ["ram", "disk", None]
 
 
 def test_cache_from_the_command_line_changes_no_number(demo_data, tmp_path):
@@ -204,7 +236,9 @@ def test_cache_from_the_command_line_changes_no_number(demo_data, tmp_path):
         r = _qat(*common, "--name", name, *extra)
         assert r.returncode == 0, r.stderr[-3000:]
     plain, cached = (json.loads((tmp_path / k / "report.json").read_text()) for k in ("plain", "cached"))
-    assert cached["config"]["cache"] == "ram" and plain["config"]["cache"] is None and plain["ptq"]["ap"] > 0
+    assert cached["config"]["cache"] == "ram" and plain["config"]["cache"] == "auto" and plain["ptq"]["ap"] > 0
+    assert cached["step"]["cache"] == "ram" and plain["step"]["cache"] is None  # auto: not on a CPU
+    assert "not a CUDA device" in plain["step"]["cache_why"]
     assert [e["ap"] for e in cached["qat"]] == [e["ap"] for e in plain["qat"]] and cached["ptq"] == plain["ptq"]
     assert [e["loss"] for e in cached["qat"]] == [e["loss"] for e in plain["qat"]]
 

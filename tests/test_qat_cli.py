@@ -46,7 +46,8 @@ def test_quantize_writes_models_report_and_table(quantize_run):
         assert row in report["table"] and row in out
     assert out.count("quantizers calibrated on 2 images") == 1  # one summary line, not one per quantizer
     assert out.count("fine-tuning step: eager (not a CUDA device)") == 1  # the step's plan, said once
-    assert report["step"] == {"plan": "eager (not a CUDA device)"}
+    assert report["step"] == {"plan": "eager (not a CUDA device)", "cache": None,
+                              "cache_why": "decoded at every draw (--cache auto: not a CUDA device)"}
     assert "HistogramCollector" not in out and "Load calibrated amax" not in out
     assert not list(save_dir.rglob("*.tmp"))
 
