@@ -13,7 +13,6 @@ import psutil
 import torch
 import yaml
 
-from utils.general import check_dataset, init_seeds
 
 
 def default_workers(local_processes: int = 1, cores: int | None = None) -> int:
@@ -67,6 +66,7 @@ def load_data(data: str | Path) -> dict:
     path = Path(data)
     if not path.is_file():
         raise FileNotFoundError(f"--data {data}: file not found")
+    from utils.general import check_dataset  # upstream's: it sets OMP_NUM_THREADS at import, so not before use
     try:
         return check_dataset(str(path), autodownload=False)
     except Exception as e:  # upstream raises a bare Exception for missing image folders
@@ -165,6 +165,7 @@ def seeded_epochs(loader, device: torch.device, n: int, seeds: Sequence[int]) ->
 
 def _epoch(stream: Iterator, n: int, seed: int, device: torch.device) -> Iterator[Batch]:
     """The next `n` batches of `stream` on `device`, this process's own draws seeded by `seed` when they start."""
+    from utils.general import init_seeds
     init_seeds(seed, deterministic=False)  # draws in this process, outside the items
     for batch in itertools.islice(stream, n):
         masks = batch[4] if len(batch) > 4 else None
