@@ -190,6 +190,14 @@ def test_cached_training_images_give_the_same_batches(demo_data, tmp_path):
             assert decoded_bytes(loader.dataset.shapes, int(IMGSZ)) == held
         runs[cache] = list(seeded_batches(loader, torch.device("cpu"), 8, seed=3))
     assert len(list(copy.rglob("*.npy"))) == len(loader.dataset)  # one per training image
+    # what a run on a CUDA device weighs (the device's type is all it reads): the images' sizes from the label cache
+    from dataclasses import replace
+    from models.core.distributed import World
+    from models.pipeline import Inputs, training_cache
+    for processes, kept in ((2, "ram"), (10 ** 9, None)):  # 10**9 copies of even these images exceed any RAM
+        inputs = Inputs(torch.device("cuda"), data, None, DETECT, None, world=World(local_size=processes))
+        choice, why = training_cache(inputs, replace(cfg, cache="auto"))
+        assert choice == kept and f"{processes} on this machine" in why, why
     for cache in ("ram", "disk"):
         for plain, cached in zip(runs[None], runs[cache]):
             assert plain.paths == cached.paths and torch.equal(plain.images, cached.images), cache
