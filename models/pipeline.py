@@ -72,7 +72,7 @@ class RunConfig:
     imgsz: int = 640
     batch_size: int = 10
     workers: int = 8
-    cache: str = "auto"               # the fine-tuning loader's images: utils/batches.py `cache_choice`
+    cache: str | None = "auto"        # the fine-tuning loader's images: utils/batches.py `cache_choice`
     overlap: bool | None = None       # segmentation training masks (--overlap/--no-overlap); None: as the float model's
     step: str = "auto"                # fine-tuning step: compiled where it can be (finetuning/fast_step.py) or eager
     num_image: int | None = None      # evaluate on the first N validation images only

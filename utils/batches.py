@@ -14,7 +14,6 @@ import torch
 import yaml
 
 
-
 def default_workers(local_processes: int = 1, cores: int | None = None) -> int:
     """Loader workers for each of `local_processes` training processes on this machine when --workers is not given:
     its share of the cores this process may run on, less one for its own loop (it launches the GPU's work and runs
