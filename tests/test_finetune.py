@@ -221,9 +221,10 @@ def test_recipe_refuses_meaningless_settings(bad):
         QATRecipe(**bad)
 
 
-# upstream files whose reads are upstream's (its detection loss and the anchors it builds for it)
-UPSTREAM_LOSS = ("utils/loss_tal.py", "utils/segment/loss_tal.py", "utils/tal/assigner.py", "utils/tal/anchor_generator.py",
-                 "models/core/loss_targets.py")  # upstream's loss, and its targets padded with one read
+# the detection loss's files: on a CPU they read the targets' count (host memory, padded there) and torch's one_hot
+# checks its indices' range (on a GPU it does not); that the loss reads nothing of the device is shown on the meta device
+LOSS_FILES = ("utils/loss_tal.py", "utils/segment/loss_tal.py", "utils/tal/assigner.py", "utils/tal/anchor_generator.py",
+              "models/core/sync_free_loss.py")
 # The operators that hand a value to the host, or whose result's size depends on values (so the host must wait for
 # them on a GPU): whatever Python spelling reached them (.item(), float(), bool(), `if t:`, torch.equal,
 # torch.allclose, boolean-mask indexing, .nonzero(), .tolist()).
@@ -286,8 +287,7 @@ def test_an_epoch_reads_back_its_ranges_once_and_its_losses_once(ptq_pair):
     """An epoch of QAT steps of the default recipe (no progress bar) reads back to the host, in this toolkit's code,
     each range once as the epoch opens (models/quantization/held_state.py: its scale, held for the epoch, so the
     weights' ranges are read whatever changed them since) and each loss part's sum once, at its end; nothing per step.
-    The reads left are upstream's detection loss (its target count and foreground checks, a few per step) and
-    torch.optim's host-resident step counters. Traced at the dispatcher, so any spelling of a read counts (a boolean
+    The reads left are the detection loss's on a CPU (`LOSS_FILES`) and torch.optim's host-resident step counters. Traced at the dispatcher, so any spelling of a read counts (a boolean
     mask, .to("cpu"), torch.equal), not only the methods one thought of."""
     import inspect
     model, teacher = copy.deepcopy(ptq_pair[0]).train(), ptq_pair[1]
@@ -300,7 +300,7 @@ def test_an_epoch_reads_back_its_ranges_once_and_its_losses_once(ptq_pair):
             losses = tuner.epoch(batches[1:], "")
     source, start = inspect.getsourcelines(FineTuner.epoch)
     closing = next(line.strip() for line in source if line.strip().startswith("return {k: float(v)"))
-    ours = [r for r in traced.reads if r[0] != "torch.optim" and r[0] not in UPSTREAM_LOSS]
+    ours = [r for r in traced.reads if r[0] != "torch.optim" and r[0] not in LOSS_FILES]
     ranges = len({id(q) for _, q in named_quantizers(model)})  # shared quantizers once
     opening, ending = ours[:-len(losses)], ours[-len(losses):]
     assert {r[0] for r in opening} == {"models/quantization/fake_quant.py"}, opening
@@ -308,19 +308,33 @@ def test_an_epoch_reads_back_its_ranges_once_and_its_losses_once(ptq_pair):
     # each range read once (its tensor and its numpy view may both count), not once per step (the epoch has two)
     assert ranges <= len(opening) <= 2 * ranges, (len(opening), ranges)
     assert ending == [("models/finetuning/finetune.py", closing)] * len(losses), ending
-    assert any(r[0] in UPSTREAM_LOSS for r in traced.reads)  # the trace sees the reads it is meant to see
+    assert any(r[0] in LOSS_FILES for r in traced.reads)  # the trace sees the reads it is meant to see
 
 
-def test_the_loss_reads_the_host_as_often_at_any_batch_size(ptq_pair):
-    """Upstream's loss pads its targets per image with three host reads for each (a wait for the GPU each, ~100 a
-    step at batch 32); the loss fine-tuning uses pads them with one (models/core/loss_targets.py): its host reads are
-    as many at batch 8 as at batch 2, where upstream's padding alone reads more, and the padded targets are
-    upstream's, bit for bit: rows in the order they came (shuffled here), an image without targets all zeros, a
-    crowded image, an empty batch."""
+def _crowded_targets(batch: int, seed: int) -> torch.Tensor:
+    """Three boxes an image in a shuffled order, no box in image 1, and image 0's first box again with another
+    class: anchors inside two boxes, which the assigner resolves."""
+    g = torch.Generator().manual_seed(seed)
+    targets = torch.cat([_targets(batch, seed), _targets(batch, seed + 1)])[: 3 * batch]
+    targets = targets[torch.randperm(len(targets), generator=g)]
+    targets = targets[targets[:, 0] != 1]
+    twin = targets[targets[:, 0] == 0][:1].clone()
+    twin[:, 1] = (twin[:, 1] + 1) % NC
+    return torch.cat([targets, twin])
+
+
+def test_the_detection_loss_is_upstreams_and_reads_nothing_back(ptq_pair):
+    """Fine-tuning's detection loss (models/core/sync_free_loss.py) gives upstream's loss and gradients without a
+    read of the device, where upstream's reads it a few times a step plus three times an image (each a wait for the
+    GPU to finish the compiled forward). Its padded targets are upstream's bit for bit (rows in the order they came,
+    an image without targets all zeros, a crowded image, an empty batch). Its loss equals upstream's within float32
+    rounding, as do the gradients of the head's maps, with anchors inside two boxes, an image without boxes and an
+    empty batch: the same terms, summed over every anchor with zero weights off the foreground instead of over the
+    foreground selected (1e-5 relative: a sum of a few thousand float32 terms in another order). On the meta device,
+    where a tensor has no values and every read raises, it runs forward and backward; upstream's does not."""
     from types import SimpleNamespace
 
-    from models.core.loss_targets import padded_targets
-    from models.core.task import DETECT
+    from models.core.sync_free_loss import DetectionLoss, padded_targets
     from utils.loss_tal import ComputeLoss
     upstream = SimpleNamespace(device=torch.device("cpu"))
     scale = torch.tensor([64.0, 48.0, 64.0, 48.0])
@@ -330,15 +344,49 @@ def test_the_loss_reads_the_host_as_often_at_any_batch_size(ptq_pair):
         want = ComputeLoss.preprocess(upstream, targets.clone(), batch, scale)
         got = padded_targets(targets.clone(), batch, scale, "cpu")
         assert got.shape == want.shape and torch.equal(got, want), (got, want)
+
     model = copy.deepcopy(ptq_pair[1]).train()
     model.hyp = _hyp()
-    loss = DETECT.loss(model)
-    reads = {}
-    for batch in (2, 8):
-        preds = model(torch.rand(batch, 3, 64, 64, generator=torch.Generator().manual_seed(batch)))
-        with _HostReads() as traced:
-            loss(preds, _targets(batch), None)
-        with _HostReads() as padding:
-            ComputeLoss.preprocess(upstream, _targets(batch), batch, scale)
-        reads[batch] = len(traced.reads), len(padding.reads)
-    assert reads[2][0] == reads[8][0] and reads[2][1] < reads[8][1], reads
+    ours, theirs = DetectionLoss(model), ComputeLoss(model)
+    cases = ((4, 96, _crowded_targets(4, 0)), (2, 64, _targets(2, 1)), (2, 64, torch.zeros(0, 6)))
+    for batch, size, targets in cases:
+        maps = model(torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(size)))
+        results = []
+        for loss in (theirs, ours):
+            leaves = [m.detach().clone().requires_grad_(True) for m in maps]
+            value, parts = loss(leaves, targets.clone())
+            value.backward()
+            results.append((value, parts, [t.grad for t in leaves]))
+        (want, want_parts, want_grads), (got, got_parts, got_grads) = results
+        assert torch.allclose(got, want, rtol=1e-5) and torch.allclose(got_parts, want_parts, rtol=1e-5, atol=1e-9)
+        for g, w in zip(got_grads, want_grads):
+            assert torch.allclose(g, w, rtol=1e-5, atol=1e-5 * float(w.abs().max())), float((g - w).abs().max())
+        assert (float(want_parts[0]) > 0) == (len(targets) > 0)  # a box loss wherever there are boxes
+        if size == 96:  # the twin box put anchors inside two boxes: upstream's branch for them was taken
+            with torch.no_grad():
+                assert _candidates(theirs, maps, targets).sum(-2).max() > 1
+
+    stride = model.model[-1].stride
+    meta = copy.deepcopy(model).to("meta")
+    meta.model[-1].stride = stride  # constants of the architecture, read once when the loss is made
+    maps = [torch.empty(2, 4 * REG_MAX + NC, s, s, device="meta", requires_grad=True) for s in (8, 4, 2)]
+    value, _ = DetectionLoss(meta)(maps, _crowded_targets(2, 0))
+    value.backward()
+    assert value.device.type == "meta" and all(m.grad is not None for m in maps)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        ComputeLoss(meta)(maps, _crowded_targets(2, 0))
+
+
+def _candidates(loss, maps, targets: torch.Tensor) -> torch.Tensor:
+    """Upstream's assigner's candidate anchors of each box (b, boxes, anchors), before it resolves those in two."""
+    from utils.tal.anchor_generator import make_anchors
+    b = maps[0].shape[0]
+    distri, scores = torch.cat([x.view(b, loss.no, -1) for x in maps], 2).split((loss.reg_max * 4, loss.nc), 1)
+    scores, distri = scores.permute(0, 2, 1), distri.permute(0, 2, 1)
+    anchors, strides = make_anchors(maps, loss.stride, 0.5)
+    size = torch.tensor(maps[0].shape[2:], dtype=torch.float32) * loss.stride[0]
+    labels, boxes = loss.preprocess(targets, b, size[[1, 0, 1, 0]]).split((1, 4), 2)
+    loss.assigner.bs, loss.assigner.n_max_boxes = b, boxes.shape[1]
+    pos, _, _ = loss.assigner.get_pos_mask(scores.sigmoid(), loss.bbox_decode(anchors, distri) * strides, labels,
+                                           boxes, anchors * strides, boxes.sum(2, keepdim=True).gt(0))
+    return pos

@@ -184,7 +184,7 @@ class QATObjective:
                 parts["distill_mask"] = mask_loss.detach()
             parts["distill"], total = loss.detach(), total + loss
         if self.det_loss is not None:
-            loss = self.det_loss(preds, targets.to(images.device), None if masks is None else masks.to(images.device))
+            loss = self.det_loss(preds, targets, None if masks is None else masks.to(images.device))
             loss = loss / images.shape[0]  # upstream scales by the batch size; per image here
             parts["det"], total = loss.detach(), total + recipe.det_loss * loss
         mark("losses")
