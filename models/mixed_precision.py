@@ -160,7 +160,7 @@ def candidate_metrics(model: nn.Module, candidates: list[Candidate], loader, tas
     runner = TorchRunner(model)
 
     def outputs_of(images: torch.Tensor) -> Iterator[tuple[str, dict]]:
-        passes = LayerOutputs(model, images.to(runner.device))
+        passes = LayerOutputs(model, runner.inputs(images))
         runner.run(lambda: passes.run(0))
         for c in candidates:
             with kept_float(model, [c]):
