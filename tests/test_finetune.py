@@ -221,10 +221,11 @@ def test_recipe_refuses_meaningless_settings(bad):
         QATRecipe(**bad)
 
 
-# the detection loss's files: on a CPU they read the targets' count (host memory, padded there) and torch's one_hot
-# checks its indices' range (on a GPU it does not); that the loss reads nothing of the device is shown on the meta device
-LOSS_FILES = ("utils/loss_tal.py", "utils/segment/loss_tal.py", "utils/tal/assigner.py", "utils/tal/anchor_generator.py",
-              "models/core/sync_free_loss.py")
+# the detection loss's files: on a CPU they read the targets' count (host memory, padded there) and torch's
+# one_hot checks its indices' range (on a GPU it does not); that the loss reads nothing of the device is shown
+# on the meta device (test_the_detection_loss_is_upstreams_and_reads_nothing_back)
+LOSS_FILES = ("utils/loss_tal.py", "utils/segment/loss_tal.py", "utils/tal/assigner.py",
+              "utils/tal/anchor_generator.py", "models/core/sync_free_loss.py")
 # The operators that hand a value to the host, or whose result's size depends on values (so the host must wait for
 # them on a GPU): whatever Python spelling reached them (.item(), float(), bool(), `if t:`, torch.equal,
 # torch.allclose, boolean-mask indexing, .nonzero(), .tolist()).
@@ -287,8 +288,9 @@ def test_an_epoch_reads_back_its_ranges_once_and_its_losses_once(ptq_pair):
     """An epoch of QAT steps of the default recipe (no progress bar) reads back to the host, in this toolkit's code,
     each range once as the epoch opens (models/quantization/held_state.py: its scale, held for the epoch, so the
     weights' ranges are read whatever changed them since) and each loss part's sum once, at its end; nothing per step.
-    The reads left are the detection loss's on a CPU (`LOSS_FILES`) and torch.optim's host-resident step counters. Traced at the dispatcher, so any spelling of a read counts (a boolean
-    mask, .to("cpu"), torch.equal), not only the methods one thought of."""
+    The reads left are the detection loss's on a CPU (`LOSS_FILES`) and torch.optim's host-resident step counters.
+    Traced at the dispatcher, so any spelling of a read counts (a boolean mask, .to("cpu"), torch.equal), not only
+    the methods one thought of."""
     import inspect
     model, teacher = copy.deepcopy(ptq_pair[0]).train(), ptq_pair[1]
     images, targets = _images(3), _targets()
