@@ -59,6 +59,7 @@ class TorchRunner:
         finally:
             self.model.train(was_training)
         out = out if isinstance(out, (list, tuple)) else (out,)
+        # contiguous: the outputs' layout as from NCHW inputs (channels-last ones leave the prototypes channels-last)
         return {n: t.float().cpu().contiguous() for n, t in zip(self.output_names, out)}
 
 
