@@ -159,8 +159,9 @@ def test_torchruns_agent_and_ranks_are_forks_of_a_server_that_imported_only_libr
     ran, upstream's utils not), each rank with its own RANK. A server that preloaded the checkout starts such a rank
     with the real interpreter: upstream's utils read RANK at import."""
     rank = tmp_path / "rank.py"
-    rank.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'torch' in sys.modules, "
-                    "'utils.general' in sys.modules, flush=True)\n")
+    # one write() a line: two ranks share the pipe, and print's pieces interleaved ("rankrank 0 ...")
+    rank.write_text("import os, sys\nos.write(1, f\"rank {os.environ['RANK']} {'torch' in sys.modules} "
+                    "{'utils.general' in sys.modules}\\n\".encode())\n")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     torchrun, ranks_env = preloaded_torchrun(env)
     r = subprocess.run([*torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(rank)], cwd=tmp_path,
