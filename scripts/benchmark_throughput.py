@@ -140,8 +140,9 @@ def arm_result(tuner, loader, device, opt, warmup: int) -> dict:
 
 def stamped(batches, stamps: list[float]):
     """`batches`, noting the time each one is asked for: their differences are the steps' times as the host sees
-    them (the loss reads counts back from the device every step, so the host keeps pace with the GPU). A step far
-    above the median is a one-off stall, not a slower step."""
+    them. Nothing in a step reads the device back, but the host runs ahead of the GPU only as far as CUDA's queue of
+    launches lets it, so past the first steps they keep the GPU's pace. A step far above the median is a one-off
+    stall, not a slower step."""
     for batch in batches:
         stamps.append(time.perf_counter())
         yield batch
