@@ -379,6 +379,86 @@ def test_the_detection_loss_is_upstreams_and_reads_nothing_back(ptq_pair):
         ComputeLoss(meta)(maps, _crowded_targets(2, 0))
 
 
+def _instance_masks(targets: torch.Tensor, batch: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each target's box filled, at a quarter of the image size as the loader gives masks: one mask per instance in
+    the targets' order, and one per image with each pixel its instance's number there (later instances on top)."""
+    side = size // 4
+    instances = torch.zeros(len(targets), side, side)
+    per_image = torch.zeros(batch, side, side)
+    number = [0] * batch
+    for i, (image, _, x, y, w, h) in enumerate(targets.tolist()):
+        x1, x2, y1, y2 = (round(v * side) for v in (x - w / 2, x + w / 2, y - h / 2, y + h / 2))
+        instances[i, y1:y2, x1:x2] = 1
+        number[int(image)] += 1
+        per_image[int(image), y1:y2, x1:x2] = number[int(image)]
+    return instances, per_image
+
+
+def test_the_segmentation_loss_is_upstreams_and_reads_nothing_back():
+    """Fine-tuning's segmentation loss (models/core/sync_free_loss.py) gives upstream's loss and gradients without a
+    read of the device, where upstream's reads each image's foreground in a loop (a wait for the GPU an image). Its
+    mask term takes every image's foreground anchors at once, up to `topk` an image's box, the padding weighted out.
+    Within float32 rounding of upstream's (1e-5 relative) on a tiny Segment head: loss, parts and the gradients of
+    the maps, the mask coefficients and the prototypes, with one mask an image (upstream's default) and one an
+    instance (rows of several images interleaved), anchors inside two boxes, an image without boxes, and a sum of
+    target scores below 1 (which upstream's segmentation loss divides by as it is, its detection loss by 1). On an empty
+    batch upstream's class term is infinite (it divides by a sum of target scores of 0): ours is finite there. On
+    the meta device, where every read raises, it runs forward and backward; upstream's does not."""
+    from conftest import tiny_gelan
+
+    from models.core.sync_free_loss import SegmentationLoss
+    from utils.segment.loss_tal import ComputeLoss
+    class Seen(SegmentationLoss):  # notes the sum of target scores each call divides by
+        def normaliser(self, target_scores_sum):
+            self.seen = float(target_scores_sum)
+            return super().normaliser(target_scores_sum)
+
+    model = build_model(tiny_gelan(NC, segment=True), nc=NC).train()
+    model.hyp = _hyp()
+    sums = []
+    for batch, size, targets in ((4, 96, _crowded_targets(4, 0)), (2, 64, _targets(1, 0)[:1])):
+        instances, per_image = _instance_masks(targets, batch, size)
+        outputs = model(torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(size)))
+        for overlap, masks in ((True, per_image), (False, instances)):
+            results = []
+            for loss in (ComputeLoss(model, overlap=overlap), Seen(model, overlap=overlap)):
+                maps, coefficients, protos = [[t.detach().clone().requires_grad_(True) for t in ts] for ts in
+                                              (outputs[0], outputs[1:2], outputs[2:])]
+                value, parts = loss((maps, coefficients[0], protos[0]), targets.clone(), masks.clone())
+                value.backward()
+                results.append((value, parts, [t.grad for t in (*maps, *coefficients, *protos)]))
+            (want, want_parts, want_grads), (got, got_parts, got_grads) = results
+            assert torch.allclose(got, want, rtol=1e-5) and torch.allclose(got_parts, want_parts, rtol=1e-5), \
+                (got_parts, want_parts)
+            assert float(want_parts[1]) > 0  # a mask term
+            for g, w in zip(got_grads, want_grads):
+                assert torch.allclose(g, w, rtol=1e-5, atol=1e-5 * float(w.abs().max())), float((g - w).abs().max())
+            sums.append(loss.seen)
+        if batch == 4:
+            with torch.no_grad():  # the twin box put anchors inside two boxes
+                assert _candidates(ComputeLoss(model), outputs[0], targets).sum(-2).max() > 1
+    assert min(sums) < 1 < max(sums)  # upstream's segmentation loss divides by a sum below 1 as it is
+
+    empty = torch.zeros(0, 6)
+    _, want_parts = ComputeLoss(model)(outputs, empty, per_image)
+    value, parts = SegmentationLoss(model)(outputs, empty, per_image)
+    assert torch.isinf(want_parts[2]) and torch.isfinite(value) and float(parts[0]) == float(parts[1]) == 0
+
+    stride = model.model[-1].stride
+    meta = copy.deepcopy(model).to("meta")
+    meta.model[-1].stride = stride  # constants of the architecture, read once when the loss is made
+    meta_outputs = [[torch.empty(t.shape, device="meta", requires_grad=True) for t in outputs[0]],
+                    torch.empty(outputs[1].shape, device="meta", requires_grad=True),
+                    torch.empty(outputs[2].shape, device="meta", requires_grad=True)]
+    for overlap, masks in ((True, per_image), (False, instances)):
+        value, _ = SegmentationLoss(meta, overlap=overlap)(meta_outputs, targets, masks.to("meta"))
+        value.backward()
+        assert value.device.type == "meta" and meta_outputs[2].grad is not None
+    with pytest.raises(TypeError) as raised:  # upstream wraps what its target padding raised
+        ComputeLoss(meta)(meta_outputs, targets, per_image.to("meta"))
+    assert isinstance(raised.value.__cause__, (RuntimeError, NotImplementedError))
+
+
 def _candidates(loss, maps, targets: torch.Tensor) -> torch.Tensor:
     """Upstream's assigner's candidate anchors of each box (b, boxes, anchors), before it resolves those in two."""
     from utils.tal.anchor_generator import make_anchors

@@ -17,10 +17,16 @@ with no read:
   NaN that a zero weight would not cancel in the backward pass;
 - `clamp_min(1)` for `max(..., 1)`.
 Its loss equals upstream's within float rounding: the same terms, summed in another order (tests/test_finetune.py).
-Segmentation keeps upstream's loss, which crops each image's instances in a loop that reads each image's
-foreground count; only its targets are padded here, with one read (`with_padded_targets`).
+`SegmentationLoss` does the same for upstream's segmentation loss (`utils/segment/loss_tal.py`), whose mask term
+crops each image's foreground instances in a loop that reads each image's foreground count: here every image's
+foreground anchors are taken at once, up to a bound the host knows (the assigner's `topk` anchors for each of the
+most boxes an image has), the padding weighted out. Its memory: that bound x the prototypes' pixels an image, where
+upstream's holds each image's foreground anchors' (on four augmented batches of 8 cardamage-seg images and gelan-c-seg,
+the bound was 2.0-3.2x their count: about 0.5 GB more a batch of 32 at 416 px, three tensors kept for the backward).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +34,21 @@ import torch.nn.functional as F
 from utils.general import xywh2xyxy
 from utils.loss_tal import BboxLoss, ComputeLoss
 from utils.metrics import bbox_iou
+from utils.segment.general import crop_mask
 from utils.tal.anchor_generator import bbox2dist, make_anchors
 from utils.tal.assigner import TaskAlignedAssigner
+from utils.torch_utils import de_parallel
+
+
+def row_places(image: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each row of a batch goes when rows are padded by image: the rows' order (each image's in the order they
+    came), then for each row in that order its image and its slot within the image; and each image's row count."""
+    counts = torch.zeros(batch_size, dtype=torch.long, device=image.device).index_add_(
+        0, image, torch.ones_like(image))  # bincount reads its largest value back to the host
+    order = torch.sort(image, stable=True).indices
+    rows = image[order]
+    slots = torch.arange(len(rows), device=rows.device) - (counts.cumsum(0) - counts)[rows]
+    return order, rows, slots, counts
 
 
 def padded_rows(targets: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -37,14 +56,9 @@ def padded_rows(targets: torch.Tensor, batch_size: int) -> torch.Tensor:
     in the order the rows came, zeros after them. Reads the largest count back to wherever `targets` is."""
     if targets.shape[0] == 0:
         return targets.new_zeros(batch_size, 0, 5)
-    image = targets[:, 0].long()
-    counts = torch.zeros(batch_size, dtype=torch.long, device=image.device).index_add_(
-        0, image, torch.ones_like(image))  # bincount reads its largest value back to the host
-    order = torch.sort(image, stable=True).indices  # each image's rows in the order they came
-    first = counts.cumsum(0) - counts
-    rows = image[order]
+    order, rows, slots, counts = row_places(targets[:, 0].long(), batch_size)
     out = targets.new_zeros(batch_size, int(counts.max()), 5)
-    out[rows, torch.arange(len(rows), device=rows.device) - first[rows]] = targets[order, 1:]
+    out[rows, slots] = targets[order, 1:]
     return out
 
 
@@ -53,20 +67,16 @@ def padded_targets(targets: torch.Tensor, batch_size: int, scale: torch.Tensor, 
     zeros after them. Padded where `targets` is (on the host, no wait for the device), then copied."""
     out = padded_rows(targets.float(), batch_size)
     out[..., 1:5] = xywh2xyxy(out[..., 1:5].mul_(scale.to(out)))
+    return queued_copy(out, device)
+
+
+def queued_copy(tensor: torch.Tensor, device) -> torch.Tensor:
+    """`tensor` on `device`, the copy queued behind the device's work: a blocking copy to a GPU waits for that work
+    first, and so does a copy from pageable memory."""
     device = torch.device(device)
-    if device.type == "cuda" and out.device.type == "cpu":
-        out = out.pin_memory()  # a pinned source: the copy is queued, the host goes on
-    return out.to(device, non_blocking=True)
-
-
-def with_padded_targets(loss_class: type) -> type:
-    """`loss_class` (upstream's ComputeLoss for boxes or masks) with its `preprocess` as `padded_targets`."""
-
-    class Loss(loss_class):
-        def preprocess(self, targets, batch_size, scale_tensor):
-            return padded_targets(targets, batch_size, scale_tensor, self.device)
-    Loss.__name__ = Loss.__qualname__ = loss_class.__name__
-    return Loss
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def highest_overlaps(mask_pos: torch.Tensor, overlaps: torch.Tensor, n_max_boxes: int
@@ -81,14 +91,16 @@ def highest_overlaps(mask_pos: torch.Tensor, overlaps: torch.Tensor, n_max_boxes
 
 
 class DeviceAssigner(TaskAlignedAssigner):
-    """Upstream's task-aligned assigner, its indices on the device and its branch on the host removed."""
+    """Upstream's task-aligned assigner, its indices on the device and its branch on the host removed. Returns what
+    segmentation's returns: labels, boxes, scores, the foreground mask and each anchor's box index."""
 
     @torch.no_grad()
     def forward(self, pd_scores, pd_bboxes, anc_points, gt_labels, gt_bboxes, mask_gt):
         self.bs, self.n_max_boxes = pd_scores.shape[0], gt_bboxes.shape[1]
         if self.n_max_boxes == 0:
             return (torch.full_like(pd_scores[..., 0], self.bg_idx), torch.zeros_like(pd_bboxes),
-                    torch.zeros_like(pd_scores), torch.zeros_like(pd_scores[..., 0]).bool())
+                    torch.zeros_like(pd_scores), torch.zeros_like(pd_scores[..., 0]).bool(),
+                    torch.zeros_like(pd_scores[..., 0], dtype=torch.long))
         mask_pos, align_metric, overlaps = self.get_pos_mask(pd_scores, pd_bboxes, gt_labels, gt_bboxes, anc_points,
                                                              mask_gt)
         target_gt_idx, fg_mask, mask_pos = highest_overlaps(mask_pos, overlaps, self.n_max_boxes)
@@ -97,7 +109,7 @@ class DeviceAssigner(TaskAlignedAssigner):
         pos_align_metrics = align_metric.amax(axis=-1, keepdim=True)
         pos_overlaps = (overlaps * mask_pos).amax(axis=-1, keepdim=True)
         norm_align_metric = (align_metric * pos_overlaps / (pos_align_metrics + self.eps)).amax(-2).unsqueeze(-1)
-        return target_labels, target_bboxes, target_scores * norm_align_metric, fg_mask.bool()
+        return target_labels, target_bboxes, target_scores * norm_align_metric, fg_mask.bool(), target_gt_idx
 
     def get_box_metrics(self, pd_scores, pd_bboxes, gt_labels, gt_bboxes):
         images = torch.arange(self.bs, device=pd_scores.device)[:, None]
@@ -126,6 +138,15 @@ class WeightedBboxLoss(BboxLoss):
         return loss_iou, loss_dfl, iou
 
 
+class Assigned(NamedTuple):
+    """What the assigner gave the box terms that the mask term reads too."""
+    boxes: torch.Tensor        # (b, anchors, 4): each anchor's target box, xyxy in pixels
+    foreground: torch.Tensor   # (b, anchors) bool
+    box_index: torch.Tensor    # (b, anchors): the index of that box among its image's targets
+    most_boxes: int            # the most targets of one image in the batch (known on the host)
+    size: tuple[float, float]  # the image's width and height in pixels
+
+
 class DetectionLoss(ComputeLoss):
     """Upstream's detection loss (`utils/loss_tal.py` ComputeLoss: its settings, gains and value) with no read of
     the device: call with the head's training maps and the loader's targets, on the host as it makes them."""
@@ -139,23 +160,96 @@ class DetectionLoss(ComputeLoss):
 
     def __call__(self, p, targets, img=None, epoch=0):
         feats = p[1] if isinstance(p, tuple) else p
+        box, cls, dfl, _ = self.box_terms(feats, targets)
+        loss = torch.stack((box.float() * 7.5, cls.float() * 0.5, dfl.float() * 1.5))  # upstream's gains
+        return loss.sum() * feats[0].shape[0], loss.detach()
+
+    @staticmethod
+    def normaliser(target_scores_sum: torch.Tensor) -> torch.Tensor:
+        """What the box and class terms are divided by: upstream's max(sum of target scores, 1)."""
+        return target_scores_sum.clamp_min(1)
+
+    def box_terms(self, feats, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Assigned]:
+        """The box (IoU), class and DFL terms before upstream's gains, and the assignment they used."""
         batch_size, (h, w) = feats[0].shape[0], feats[0].shape[2:]
         pred_distri, pred_scores = torch.cat([xi.view(batch_size, self.no, -1) for xi in feats], 2).split(
             (self.reg_max * 4, self.nc), 1)
         pred_scores = pred_scores.permute(0, 2, 1).contiguous()
         pred_distri = pred_distri.permute(0, 2, 1).contiguous()
         anchor_points, stride_tensor = make_anchors(feats, self.strides, 0.5)
-        scale = torch.tensor([w, h, w, h], dtype=torch.float32) * self.strides[0]  # the image size, on the host
-        gt_labels, gt_bboxes = padded_targets(targets, batch_size, scale, self.device).split((1, 4), 2)
+        size = torch.tensor([w, h, w, h], dtype=torch.float32) * self.strides[0]  # the image size, on the host
+        gt_labels, gt_bboxes = padded_targets(targets, batch_size, size, self.device).split((1, 4), 2)
         mask_gt = gt_bboxes.sum(2, keepdim=True).gt_(0)
         pred_bboxes = self.bbox_decode(anchor_points, pred_distri)
-        target_labels, target_bboxes, target_scores, fg_mask = self.assigner(
+        _, target_bboxes, target_scores, fg_mask, target_gt_idx = self.assigner(
             pred_scores.detach().sigmoid(), (pred_bboxes.detach() * stride_tensor).type(gt_bboxes.dtype),
             anchor_points * stride_tensor, gt_labels, gt_bboxes, mask_gt)
-        target_bboxes /= stride_tensor
-        target_scores_sum = target_scores.sum().clamp_min(1)
+        target_scores_sum = self.normaliser(target_scores.sum())
         cls = self.BCEcls(pred_scores, target_scores.to(pred_scores.dtype)).sum() / target_scores_sum
-        box, dfl, _ = self.bbox_loss(pred_distri, pred_bboxes, anchor_points, target_bboxes, target_scores,
-                                     target_scores_sum, fg_mask)
-        loss = torch.stack((box.float() * 7.5, cls.float() * 0.5, dfl.float() * 1.5))  # upstream's gains
+        box, dfl, _ = self.bbox_loss(pred_distri, pred_bboxes, anchor_points, target_bboxes / stride_tensor,
+                                     target_scores, target_scores_sum, fg_mask)
+        return box, cls, dfl, Assigned(target_bboxes, fg_mask, target_gt_idx, gt_bboxes.shape[1],
+                                       (float(size[0]), float(size[1])))
+
+
+class SegmentationLoss(DetectionLoss):
+    """Upstream's segmentation loss (`utils/segment/loss_tal.py` ComputeLoss: its settings, gains and value) with no
+    read of the device: call with the head's training outputs (maps, mask coefficients, prototypes), the loader's
+    targets on the host and its masks on the device (`overlap`: one mask an image, each pixel its instance's number,
+    as upstream trains by default; else each instance's own mask, in the targets' order)."""
+
+    def __init__(self, model, overlap: bool = True):
+        super().__init__(model)
+        self.nm, self.overlap = de_parallel(model).model[-1].nm, overlap
+
+    def __call__(self, p, targets, masks, img=None, epoch=0):
+        feats, pred_masks, proto = p if len(p) == 3 else p[1]
+        box, cls, dfl, assigned = self.box_terms(feats, targets)
+        seg = self.mask_term(pred_masks, proto, masks, targets, assigned)
+        batch_size = proto.shape[0]
+        loss = torch.stack((box.float() * 7.5, seg.float() * 2.5 / batch_size, cls.float() * 0.5, dfl.float() * 1.5))
         return loss.sum() * batch_size, loss.detach()
+
+    @staticmethod
+    def normaliser(target_scores_sum: torch.Tensor) -> torch.Tensor:
+        """Upstream's segmentation loss divides by the sum of target scores as it is (also below 1): the same here,
+        except where it is 0 (no foreground anchor), which upstream turns into an infinite class term."""
+        return torch.where(target_scores_sum > 0, target_scores_sum, 1)
+
+    def mask_term(self, pred_masks, proto, masks, targets, assigned: Assigned) -> torch.Tensor:
+        """Upstream's mask term (the sum over images of each image's mean over its foreground anchors of the
+        cropped BCE over the area of the anchor's box) for every image at once: each image's first `topk` x
+        `most_boxes` anchors by foreground (in anchor order, as upstream selects them), the rest weighted 0."""
+        batch_size, _, mask_h, mask_w = proto.shape
+        kept = min(assigned.foreground.shape[1], self.assigner.topk * assigned.most_boxes)
+        if kept == 0:  # no targets in the batch: upstream adds no mask term
+            return proto.new_zeros((), dtype=torch.float32)
+        if tuple(masks.shape[-2:]) != (mask_h, mask_w):
+            masks = F.interpolate(masks[None], (mask_h, mask_w), mode="nearest")[0]
+        anchors = assigned.foreground.to(torch.uint8).sort(dim=1, descending=True, stable=True).indices[:, :kept]
+        weight = assigned.foreground.gather(1, anchors).float()
+        index = assigned.box_index.gather(1, anchors)
+        images = torch.arange(batch_size, device=index.device)[:, None]
+        if self.overlap:  # image i reads masks[i], as upstream's loop does
+            gt_mask = (masks[:batch_size, None] == (index + 1)[..., None, None].to(masks.dtype)).float()
+        else:
+            gt_mask = by_image(masks, targets, batch_size, assigned.most_boxes)[images, index]
+        (w, h), boxes = assigned.size, assigned.boxes[images, anchors]
+        x1, y1, x2, y2 = boxes[..., 0] / w, boxes[..., 1] / h, boxes[..., 2] / w, boxes[..., 3] / h  # as fractions
+        area = torch.where(weight > 0, (x2 - x1) * (y2 - y1), 1)
+        mxyxy = torch.stack((x1 * mask_w, y1 * mask_h, x2 * mask_w, y2 * mask_h), -1)  # (no host tensor to copy)
+        coefficients = pred_masks.permute(0, 2, 1)[images, anchors]  # (b, kept, nm)
+        pred = (coefficients @ proto.view(batch_size, self.nm, -1)).view(batch_size, kept, mask_h, mask_w)
+        bce = F.binary_cross_entropy_with_logits(pred, gt_mask, reduction="none")
+        cropped = crop_mask(bce.flatten(0, 1), mxyxy.flatten(0, 1)).view_as(bce)
+        per_anchor = cropped.mean(dim=(2, 3)) / area * weight
+        return (per_anchor.sum(1) / weight.sum(1).clamp_min(1)).sum()
+
+
+def by_image(masks: torch.Tensor, targets: torch.Tensor, batch_size: int, most_boxes: int) -> torch.Tensor:
+    """Instance masks in the targets' order (n, h, w) -> (batch_size, most_boxes, h, w), padded as `padded_rows`
+    pads their targets; the places worked out on the host, from the targets' image column."""
+    order, rows, slots, _ = (queued_copy(t, masks.device) for t in row_places(targets[:, 0].long(), batch_size))
+    out = masks.new_zeros(batch_size, most_boxes, *masks.shape[1:])
+    out[rows, slots] = masks[order]
+    return out

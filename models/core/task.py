@@ -72,13 +72,12 @@ class Task:
     def loss(self, model: nn.Module):
         """Upstream's training loss for `model` (which must carry `hyp`): a callable
         (predictions, targets, masks) -> loss summed over the batch; targets as the loader makes them (on the host),
-        masks as this task's training loader makes them, on the model's device. Detection's reads nothing back from
-        the device, segmentation's pads its targets with one read (models/core/sync_free_loss.py)."""
-        from models.core.sync_free_loss import DetectionLoss, with_padded_targets
+        masks as this task's training loader makes them, on the model's device. Neither reads anything back from the
+        device (models/core/sync_free_loss.py)."""
+        from models.core.sync_free_loss import DetectionLoss, SegmentationLoss
         if self.has_masks:
-            from utils.segment.loss_tal import ComputeLoss
-            compute = with_padded_targets(ComputeLoss)(model, overlap=self.overlap)
-            return lambda preds, targets, masks: compute(preds, targets.to(compute.device), masks.float())[0]
+            compute = SegmentationLoss(model, overlap=self.overlap)
+            return lambda preds, targets, masks: compute(preds, targets, masks.float())[0]
         compute = DetectionLoss(model)
         return lambda preds, targets, masks: compute(_train_maps(preds), targets)[0]
 

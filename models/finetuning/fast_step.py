@@ -11,12 +11,11 @@ backward), and on a GPU the kernels are shorter than their launches: the GPU wai
   cudagraphs`) captures the ops unfused (the native fake-quantize kernels, one per quantizer), for a fraction of
   the compile time;
 - steps Adam with its fused kernel (models/finetuning/finetune.py `optimizer_for`).
-Between the compiled forward and backward, the loss runs eagerly: its shapes change with every batch's targets. The
-detection loss reads nothing back from the device (models/core/sync_free_loss.py), so the host launches it while the
-GPU still runs the forward; a segmentation head's mask loss (its coefficients and prototypes are outputs of the
-compiled graph like the box and class maps) crops each instance in a loop that reads the device. The
-compile costs its first step; `--step auto` compiles only where the planned iterations and images repay it
-(`AUTO`). Where the step is not compiled it runs eagerly, and the log says why once.
+Between the compiled forward and backward, the loss runs eagerly: its shapes change with every batch's targets. It
+reads nothing back from the device (models/core/sync_free_loss.py: detection's, and segmentation's, whose mask term
+upstream computes in a loop over the images that reads each one's foreground), so the host launches it while the GPU
+still runs the forward. The compile costs its first step; `--step auto` compiles only where the planned iterations
+and images repay it (`AUTO`). Where the step is not compiled it runs eagerly, and the log says why once.
 The scales the compiled forward reads are held per epoch (models/quantization/held_state.py says what invalidates them).
 """
 from __future__ import annotations
