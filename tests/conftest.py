@@ -6,11 +6,15 @@ The suite runs in pytest-xdist workers (pytest.ini: `-n auto`, one test file per
 share of the cores for its math threads and those of the processes it starts."""
 from __future__ import annotations
 
+import atexit
 import fcntl
+import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -36,10 +40,10 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # The files that take longest, longest first (pytest --durations on a 2-core CPU): xdist hands out whole files in
 # collection order (pytest.ini: loadfile, not reordered), so these start first and the last minutes are not one
 # long file on one core while the other waits. The rest follow in name order.
-LONGEST_FIRST = ("test_upstream.py", "test_distributed.py", "test_segment.py", "test_mixed_precision.py",
-                 "test_scripts.py", "test_export.py", "test_fast_step.py", "test_qat_cli.py", "test_val_trt.py",
-                 "test_reparameterization.py", "test_quantize.py", "test_sensitive.py", "test_deploy.py",
-                 "test_published.py")
+LONGEST_FIRST = ("test_scripts.py", "test_upstream.py", "test_segment.py", "test_distributed.py", "test_backends.py",
+                 "test_export.py", "test_reparameterization.py", "test_mixed_precision.py", "test_qat_cli.py",
+                 "test_fast_step.py", "test_quantize.py", "test_val_trt.py", "test_deploy.py", "test_published.py",
+                 "test_sensitive.py", "test_harness.py")
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -366,7 +370,16 @@ def preloaded_torchrun(env: dict) -> tuple[list[str], dict]:
     saved per rank, its imports and interpreter teardown). Start it with subprocess, as many at once as needed."""
     server = _server(env, CHECKOUT, libraries_only=True)
     ranks_env = {**_served(env), SOCKET_VAR: server.socket, "PYTHON_EXEC": server.launcher}
-    return [server.launcher, "-m", "torch.distributed.run"], ranks_env
+    return [server.launcher, "-m", "torch.distributed.run", "--log-dir", _torchrun_logs()], ranks_env
+
+
+@functools.cache
+def _torchrun_logs() -> str:
+    """torchrun's own folder (without --log-dir, every run leaves an empty torchelastic_* tree in the system's temporary
+    folder): one for this worker's runs, removed when it exits."""
+    folder = tempfile.mkdtemp(prefix="suite-torchrun-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def run_preloaded(cmd: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
