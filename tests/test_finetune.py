@@ -397,13 +397,14 @@ def _instance_masks(targets: torch.Tensor, batch: int, size: int) -> tuple[torch
 def test_the_segmentation_loss_is_upstreams_and_reads_nothing_back():
     """Fine-tuning's segmentation loss (models/core/sync_free_loss.py) gives upstream's loss and gradients without a
     read of the device, where upstream's reads each image's foreground in a loop (a wait for the GPU an image). Its
-    mask term takes every image's foreground anchors at once, up to `topk` an image's box, the padding weighted out.
-    Within float32 rounding of upstream's (1e-5 relative) on a tiny Segment head: loss, parts and the gradients of
-    the maps, the mask coefficients and the prototypes, with one mask an image (upstream's default) and one an
-    instance (rows of several images interleaved), anchors inside two boxes, an image without boxes, and a sum of
-    target scores below 1 (which upstream's segmentation loss divides by as it is, its detection loss by 1). On an empty
-    batch upstream's class term is infinite (it divides by a sum of target scores of 0): ours is finite there. On
-    the meta device, where every read raises, it runs forward and backward; upstream's does not."""
+    mask term takes as many anchors an image as it can have in the foreground (`topk` a box), the rest weighted out,
+    and computes its per-pixel part again in the backward pass. Within float32 rounding of upstream's (1e-5 relative)
+    on a tiny Segment head: loss, parts and the gradients of the maps, the mask coefficients and the prototypes,
+    with one mask an image (upstream's default) and one an instance (rows of several images interleaved), anchors
+    inside two boxes, an image without boxes, a box of no width, and a sum of target scores below 1 (which upstream's
+    segmentation loss divides by as it is, its detection loss by 1). On an empty batch upstream's class term is
+    infinite (it divides by a sum of target scores of 0): ours is finite there. On the meta device, where every read
+    raises, it runs forward and backward; upstream's does not."""
     from conftest import tiny_gelan
 
     from models.core.sync_free_loss import SegmentationLoss
@@ -416,7 +417,8 @@ def test_the_segmentation_loss_is_upstreams_and_reads_nothing_back():
     model = build_model(tiny_gelan(NC, segment=True), nc=NC).train()
     model.hyp = _hyp()
     sums = []
-    for batch, size, targets in ((4, 96, _crowded_targets(4, 0)), (2, 64, _targets(1, 0)[:1])):
+    flat = torch.tensor([[0.0, 1, 0.5, 0.5, 0.0, 0.2]])  # a box of no width first: no anchor is inside it
+    for batch, size, targets in ((4, 96, _crowded_targets(4, 0)), (2, 64, torch.cat([flat, _targets(1, 0)[:1]]))):
         instances, per_image = _instance_masks(targets, batch, size)
         outputs = model(torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(size)))
         for overlap, masks in ((True, per_image), (False, instances)):
@@ -427,12 +429,14 @@ def test_the_segmentation_loss_is_upstreams_and_reads_nothing_back():
                 value, parts = loss((maps, coefficients[0], protos[0]), targets.clone(), masks.clone())
                 value.backward()
                 results.append((value, parts, [t.grad for t in (*maps, *coefficients, *protos)]))
-            (want, want_parts, want_grads), (got, got_parts, got_grads) = results
-            assert torch.allclose(got, want, rtol=1e-5) and torch.allclose(got_parts, want_parts, rtol=1e-5), \
-                (got_parts, want_parts)
+            (want, want_parts, want_grads), *ours = results
             assert float(want_parts[1]) > 0  # a mask term
-            for g, w in zip(got_grads, want_grads):
-                assert torch.allclose(g, w, rtol=1e-5, atol=1e-5 * float(w.abs().max())), float((g - w).abs().max())
+            for got, got_parts, got_grads in ours:
+                assert torch.allclose(got, want, rtol=1e-5) and torch.allclose(got_parts, want_parts, rtol=1e-5), \
+                    (got_parts, want_parts)
+                for g, w in zip(got_grads, want_grads):
+                    assert torch.allclose(g, w, rtol=1e-5, atol=1e-5 * float(w.abs().max())), \
+                        float((g - w).abs().max())
             sums.append(loss.seen)
         if batch == 4:
             with torch.no_grad():  # the twin box put anchors inside two boxes
