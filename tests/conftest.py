@@ -39,9 +39,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 # The files that take longest, longest first (pytest --durations on a 2-core CPU): xdist hands out whole files in
 # collection order (pytest.ini: loadfile, not reordered), so these start first and the last minutes are not one
-# long file on one core while the other waits. The rest follow in name order. The order also pairs the files that
-# run side by side: test_scripts.py first, beside test_upstream.py (its benchmark runs two processes at a time beside
-# the README's commands), made the suite's work 833 s against 764-786 in this order.
+# long file on one core while the other waits. The rest follow in name order.
 LONGEST_FIRST = ("test_upstream.py", "test_distributed.py", "test_segment.py", "test_mixed_precision.py",
                  "test_scripts.py", "test_export.py", "test_fast_step.py", "test_qat_cli.py", "test_val_trt.py",
                  "test_reparameterization.py", "test_quantize.py", "test_sensitive.py", "test_deploy.py",
