@@ -74,7 +74,7 @@ def padded_targets(targets: torch.Tensor, batch_size: int, scale: torch.Tensor, 
 
 def queued_copy(tensor: torch.Tensor, device) -> torch.Tensor:
     """`tensor` on `device`, the copy queued behind the device's work: a blocking copy to a GPU waits for that work
-    first, and so does a copy from pageable memory."""
+    first, and CUDA may make one from pageable memory wait too, so the source is pinned first."""
     device = torch.device(device)
     if device.type == "cuda" and tensor.device.type == "cpu":
         tensor = tensor.pin_memory()
