@@ -113,6 +113,8 @@ def arm_result(tuner, loader, device, opt, warmup: int) -> dict:
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     run(warmup)
+    if device.type == "cuda":  # the steps' own peak, not the compile's (warm-up)
+        torch.cuda.reset_peak_memory_stats(device)
     stamps: list[float] = []
     with full_collections() as collections:
         seconds = run(opt.steps, stamps)
@@ -121,6 +123,7 @@ def arm_result(tuner, loader, device, opt, warmup: int) -> dict:
     run(opt.breakdown_steps)
     phases = {k: round(v / opt.breakdown_steps, 5) for k, v in tuner.clock.seconds.items()}
     tuner.clock = StepClock(None, enabled=False)
+    peak_gb = round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None
     if opt.profile_steps:
         activities = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -134,7 +137,7 @@ def arm_result(tuner, loader, device, opt, warmup: int) -> dict:
             "first_step_compiled": tuner.first_step_compiled,
             "timed_step_ms": {"median": statistics.median(step_ms), "max": max(step_ms), "each": step_ms}
             if step_ms else None,  # the time between two batches: none for one timed step
-            "timed_full_gc_s": [round(t, 3) for t in collections],
+            "timed_full_gc_s": [round(t, 3) for t in collections], "peak_memory_gb": peak_gb,
             "breakdown_s_per_step": phases, "breakdown_total_s": round(sum(phases.values()), 5), "profile": profiled}
 
 
@@ -274,7 +277,7 @@ def write(opt, results: dict, world_size: int) -> None:
                   if r["timed_step_ms"] else "")
         print(f"{name} {arm}: {world_size} process(es), global batch {opt.batch_size} at {opt.imgsz}: "
               f"{r['images_per_s']} img/s ({r['step_s'] * 1000:.1f} ms/step{spread}; full collections "
-              f"{r['timed_full_gc_s']} s); ms/step by phase: {phases}")
+              f"{r['timed_full_gc_s']} s; peak GPU memory {r['peak_memory_gb']} GB); ms/step by phase: {phases}")
     print(f"QAT step / control step: {run['qat_over_control_step']}" +
           (f"; speedup over 1 process: {run['speedup']}" if "speedup" in run else "") + f"; {path}")
 
