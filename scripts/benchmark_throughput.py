@@ -275,9 +275,10 @@ def write(opt, results: dict, world_size: int) -> None:
         phases = ", ".join(f"{k} {v * 1000:.1f}" for k, v in r["breakdown_s_per_step"].items())
         spread = (f"; median {r['timed_step_ms']['median']}, slowest {r['timed_step_ms']['max']}"
                   if r["timed_step_ms"] else "")
+        peak = f"; peak GPU memory {r['peak_memory_gb']} GB" if r["peak_memory_gb"] is not None else ""
         print(f"{name} {arm}: {world_size} process(es), global batch {opt.batch_size} at {opt.imgsz}: "
               f"{r['images_per_s']} img/s ({r['step_s'] * 1000:.1f} ms/step{spread}; full collections "
-              f"{r['timed_full_gc_s']} s; peak GPU memory {r['peak_memory_gb']} GB); ms/step by phase: {phases}")
+              f"{r['timed_full_gc_s']} s{peak}); ms/step by phase: {phases}")
     print(f"QAT step / control step: {run['qat_over_control_step']}" +
           (f"; speedup over 1 process: {run['speedup']}" if "speedup" in run else "") + f"; {path}")
 
