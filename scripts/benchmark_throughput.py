@@ -11,9 +11,10 @@ calibration uses max on a few batches. For each arm: `--warmup` untimed steps (m
 load more batches ahead: those are ready after the first step's compile), then `--steps` timed steps
 (images/s over them, the device synchronized at both ends only), then `--breakdown-steps` steps with the device
 synchronized at every phase boundary (models/finetuning/finetune.py StepClock: the seconds per phase, which add up to
-more than a free-running step), and on a GPU the peak memory allocated over those two. Rank 0 writes OUT/<model>.json (results/scaling/ by default), keeping the entries of
-other world sizes and batches; `speedup` is this run's throughput over the 1-process run's of the same model,
-image size and global batch, where that one is recorded.
+more than a free-running step), and on a GPU the peak memory allocated over those two. Rank 0 writes
+OUT/<model>.json (results/scaling/ by default), keeping the entries of other world sizes and batches; `speedup` is
+this run's throughput over the 1-process run's of the same model, image size and global batch, where that one is
+recorded.
 """
 from __future__ import annotations
 
