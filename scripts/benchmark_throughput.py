@@ -202,7 +202,8 @@ def main(argv=None) -> int:
     from utils.torch_utils import select_device
     world = world_from_env()
     if opt.batch_size % world.size:
-        print(f"benchmark_throughput: error: --batch-size {opt.batch_size} must divide by {world.size}", file=sys.stderr)
+        print(f"benchmark_throughput: error: --batch-size {opt.batch_size} must divide by {world.size}",
+              file=sys.stderr)
         return 2
     device = select_device(opt.device)
     if world.distributed and device.type == "cuda":
