@@ -20,10 +20,11 @@ Its loss equals upstream's within float rounding: the same terms, summed in anot
 `SegmentationLoss` does the same for upstream's segmentation loss (`utils/segment/loss_tal.py`), whose mask term
 crops each image's foreground instances in a loop that reads each image's foreground count: here each image takes
 as many anchors as it can have in the foreground (the assigner's `topk` for each of its boxes, known on the host),
-foreground first, the rest weighted out; its per-pixel part is recomputed in the backward pass instead of kept, so
-that it holds one image's per-pixel tensors at a time where upstream keeps every image's. On 8 mosaics of COCO128 at
-640 px (up to 99 boxes an image), forward and backward on 2 CPU threads: 858 MB at the peak against upstream's 824,
-2.3 s against 1.1 (more anchors an image, each computed twice); the same loss.
+foreground first, the rest weighted out. On 8 mosaics of COCO128 at 640 px (up to 99 boxes an image), the loss's
+forward and backward on 2 CPU threads: 1.2 s against upstream's 0.7-0.8 (the anchors weighted out are computed too)
+and no higher a peak of memory; on an H200, QAT 1.09x faster than with upstream's loss
+(results/scaling/h200x2/2026-11-30-f/: without its waits, the host queues the loss while the GPU still runs the
+forward).
 """
 from __future__ import annotations
 
