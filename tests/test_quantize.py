@@ -432,6 +432,38 @@ def test_a_checkpoint_of_the_flat_models_layout_still_loads(trust):
     with torch.no_grad():
         assert torch.isfinite(model(torch.rand(1, 3, 64, 64))[0]).all()
 
+class _ConstructedModel:
+    """Pickles as a call of upstream's DetectionModel with a config of its own, as a crafted file can: upstream's
+    parse_model evaluates the config's strings, here one that touches `marker` and names a real block."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        from models.yolo import DetectionModel
+        touch = f"__import__('pathlib').Path({str(self.marker)!r}).touch() or Conv"
+        return DetectionModel, ({"nc": 1, "depth_multiple": 1.0, "width_multiple": 1.0, "anchors": 3,
+                                 "backbone": [[-1, 1, touch, [8, 3, 2]]], "head": [[-1, 1, "nn.Identity", []]]},)
+
+
+@pytest.mark.parametrize("trust", [False, True], ids=["allow-list", "trusted"])
+def test_a_checkpoint_never_runs_an_allowed_classs_constructor(tmp_path, trust):
+    """Every class of the allow-list is also something torch's restricted unpickler calls when a file asks it to,
+    which runs the class's constructor with the file's arguments: arbitrary code through upstream's model
+    constructors. Refused before anything is unpickled, in one message naming the class and the way out; with
+    --trust-checkpoint the file is unpickled fully, as documented (and runs)."""
+    from models.quantization.checkpoint import read_checkpoint
+    marker, path = tmp_path / "ran", tmp_path / "crafted.pt"
+    torch.save({"model": _ConstructedModel(marker)}, path)
+    if not trust:
+        with pytest.raises(ValueError) as e:
+            read_checkpoint(path)
+        assert "calls models.yolo.DetectionModel" in str(e.value) and "--trust-checkpoint" in str(e.value)
+        assert not marker.exists()
+    else:
+        assert type(read_checkpoint(path, trust=True)["model"]).__name__ == "DetectionModel" and marker.exists()
+
+
 def test_checkpoint_roundtrip_on_cpu(gelan_t, tmp_path):
     calibrate(gelan_t, QuantRecipe(calib_method="percentile", percentile=99.99), _images(1))
     x = _images(1, seed=7)[0]

@@ -4,9 +4,13 @@ A YOLO checkpoint is a pickled model, and unpickling can run arbitrary code. Fil
 `torch.load(weights_only=True)` and an allow-list of the classes such a checkpoint legitimately holds: the
 torch.nn modules, upstream YOLOv9's modules, this overlay's quantized modules and the quantization backends'
 modules and calibrators (Model Optimizer's only where the file names them: importing it takes seconds). The list
-is derived from those packages (every nn.Module subclass they define), never a function, so a crafted file cannot
-call anything. `trust=True` (`--trust-checkpoint`) falls back
-to full unpickling for files from a source the user trusts, with a warning.
+is derived from those packages (every nn.Module subclass they define), never a function. torch's restricted
+unpickler calls any allowed global a file asks it to call (REDUCE), classes included, which runs the class's
+constructor with the file's arguments: upstream's model constructors evaluate the strings of their config, so one
+crafted file could run any code. A checkpoint creates its modules the way pickle creates any object (NEWOBJ: no
+constructor runs), so the pickle is read first without unpickling, and a file that calls a class of the list is
+refused. `trust=True` (`--trust-checkpoint`) falls back to full unpickling for files from a source the user trusts,
+with a warning.
 
 Upstream stores methods on modules (`m.forward = m.forward_fuse` when fusing, `self.detect = DDetect.forward`
 in segmentation heads), which pickle as calls of `getattr`. Only a restricted getattr is allowed: it returns
@@ -17,11 +21,15 @@ from __future__ import annotations
 
 import copy
 import importlib
+import io
 import pickle
+import pickletools
 import shutil
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -110,25 +118,100 @@ def _forward_getattr(allowed: tuple):
     return forward_getattr
 
 
-def _globals_named_in(path: Path) -> set[str] | None:
-    """The classes and functions a checkpoint's pickle names (read without unpickling); None if it cannot be read."""
-    try:
-        return set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-    except Exception:
-        return None
+class References(NamedTuple):
+    """What a checkpoint's pickle names (every global, as `module.name`) and which of those it calls."""
+    named: frozenset[str]
+    called: frozenset[str]
 
 
-def _allowed_globals_in(allowed: tuple, referenced: set[str] | None) -> list:
+def _global_name(arg: str) -> str:
+    """A GLOBAL opcode's "module name" as torch's unpickler resolves it (the Python 2 names that protocol 2 writes
+    mapped to Python 3's)."""
+    module, name = arg.split(" ", 1)
+    module, name = NAME_MAPPING.get((module, name), (IMPORT_MAPPING.get(module, module), name))
+    return f"{module}.{name}"
+
+
+def _stack_effect(op: pickletools.OpcodeInfo) -> tuple[bool, int, int]:
+    """Whether an opcode takes what lies above the last mark (and the mark), how many entries it takes besides (below
+    the mark), and how many it leaves."""
+    before = op.stack_before
+    marked = pickletools.markobject in before
+    return marked, before.index(pickletools.markobject) if marked else len(before), len(op.stack_after)
+
+
+_EFFECTS = {op.name: _stack_effect(op) for op in pickletools.opcodes}
+_REFUSED_OPCODES = frozenset({"INST", "OBJ", "EXT1", "EXT2", "EXT4", "STACK_GLOBAL", "NEWOBJ_EX"})
+
+
+def _pickle_references(pickled: bytes) -> References:
+    """The globals a pickle names and calls, read without unpickling: its stack followed symbolically, each entry the
+    name of the global it holds or None. Opcodes that make objects other than by NEWOBJ and REDUCE (INST, OBJ, the
+    extension registry) or find globals other than by GLOBAL are refused: torch's restricted unpickler has none."""
+    stack, memo, named, called = [], {}, set(), set()
+    mark = pickletools.markobject
+    for op, arg, _ in pickletools.genops(pickled):
+        name = op.name
+        if name in ("BINGET", "LONG_BINGET", "GET"):
+            stack.append(memo[arg])
+        elif name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
+            memo[len(memo) if arg is None else arg] = stack[-1]
+        elif name == "GLOBAL":
+            stack.append(_global_name(arg))
+            named.add(stack[-1])
+        elif name == "MARK":
+            stack.append(mark)
+        elif name in _REFUSED_OPCODES:
+            raise pickle.UnpicklingError(f"opcode {name} is not allowed in a YOLO checkpoint")
+        else:
+            marked, taken, left = _EFFECTS[name]
+            if marked:  # what lies above the last mark, and the mark
+                while stack.pop() is not mark:
+                    pass
+            if name == "REDUCE" and stack[-2]:
+                called.add(stack[-2])
+            if taken:
+                del stack[-taken:]
+            stack.extend((None,) * left)
+    return References(frozenset(named), frozenset(called))
+
+
+def _checkpoint_pickle(data: bytes) -> bytes | None:
+    """The pickle of a `torch.save` archive, read as torch.load reads it; None for anything else."""
+    with io.BytesIO(data) as f:
+        if not torch.serialization._is_zipfile(f):
+            return None
+        with torch.serialization._open_zipfile_reader(f) as archive:
+            return archive.get_record("data.pkl") if archive.has_record("data.pkl") else None
+
+
+def _never_called(allowed: tuple) -> set[str]:
+    """The names (and former names) of the allow-list's module and calibrator classes: a checkpoint creates them
+    (NEWOBJ) and never calls them, which would run their constructors with its own arguments."""
+    numpy_values = set(_numpy_values())
+    classes = tuple(c for c in allowed if c not in numpy_values)
+    return {f"{c.__module__}.{c.__qualname__}" for c in classes} | {name for _, name in _former_names(classes)}
+
+
+def _allowed_globals_in(allowed: tuple, named: frozenset[str]) -> list:
     """The allow-list narrowed to the module and calibrator classes the file's pickle names: torch's restricted
     unpickler looks each reference up in the whole list, ~0.3 s a load with all of it. numpy's values stay whole: a
-    pickled dtype names `numpy.dtype` and unpickles as a subclass of it that the unpickler checks too. A file it
-    cannot scan gets the whole list, and torch.load then says what is wrong."""
+    pickled dtype names `numpy.dtype` and unpickles as a subclass of it that the unpickler checks too."""
     every = [*allowed, *_former_names(allowed), (_forward_getattr(allowed), "builtins.getattr")]
-    if referenced is None:
-        return every
     numpy_values = set(_numpy_values())
     return [g for g in every if g in numpy_values or
-            (g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}") in referenced]
+            (g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}") in named]
+
+
+def _references_in(data: bytes) -> tuple[References | None, str]:
+    """What a checkpoint file's pickle names and calls, or why it cannot be read."""
+    try:
+        pickled = _checkpoint_pickle(data)
+        if pickled is None:
+            return None, "not an archive written by torch.save (PyTorch >= 1.6)"
+        return _pickle_references(pickled), ""
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}"
 
 
 def read_checkpoint(weights: str | Path, trust: bool = False, flag: str = "--weights") -> dict:
@@ -136,38 +219,54 @@ def read_checkpoint(weights: str | Path, trust: bool = False, flag: str = "--wei
     path = Path(weights)
     if not path.is_file():
         raise FileNotFoundError(f"{flag} {weights}: file not found")
-    referenced = _globals_named_in(path)
+    data = path.read_bytes()  # read once: what is checked is what loads
+    references, unreadable = _references_in(data)
+    if unreadable and not trust:
+        raise ValueError(f"{flag} {weights}: not a readable PyTorch checkpoint ({unreadable})")
     try:
-        allowed = allowed_classes(backends_named(referenced or set()))
+        allowed = allowed_classes(backends_named(references.named if references else frozenset()))
     except ValueError as e:
         raise ValueError(f"{flag} {weights}: quantized with a library that does not import here: {e}") from None
-    try:
-        with torch.serialization.safe_globals(_allowed_globals_in(allowed, referenced)):
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
+    ckpt, refusal = (None, unreadable) if unreadable else _load_allowed(data, references, allowed, flag, weights)
+    if refusal:
         if not trust:
-            raise ValueError(f"{flag} {weights}: holds objects outside the allow-list of YOLO classes "
-                             f"({_unsafe_globals(referenced, allowed) or e}); if you trust where the file comes from, "
-                             "pass --trust-checkpoint") from None
+            raise ValueError(f"{flag} {weights}: holds objects outside the allow-list of YOLO classes ({refusal}); "
+                             "if you trust where the file comes from, pass --trust-checkpoint")
         LOGGER.warning(f"WARNING: {flag} {weights}: fully unpickled (--trust-checkpoint): it could run code")
-        ckpt = _load_untrusted(path, flag)
-    except Exception as e:  # any other failure: not a PyTorch checkpoint at all
-        raise ValueError(f"{flag} {weights}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
+        ckpt = _load_untrusted(data, flag, weights)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("ema") or ckpt.get("model"), nn.Module):
         raise ValueError(f"{flag} {weights}: no YOLO model inside (expected a dict with 'model')")
     return ckpt
 
 
-def _load_untrusted(path: Path, flag: str) -> dict:
+def _load_allowed(data: bytes, references: References, allowed: tuple, flag: str, weights: str | Path
+                  ) -> tuple[dict | None, str]:
+    """The checkpoint loaded through the allow-list, or why it is refused."""
+    calls = sorted(references.called & _never_called(allowed))
+    if calls:
+        return None, f"calls {', '.join(calls)}: a constructor run with the file's own arguments"
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_former_names_pickle())
+        with torch.serialization.safe_globals(_allowed_globals_in(allowed, references.named)):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), ""
+    except pickle.UnpicklingError as e:
+        return None, _unsafe_globals(data, allowed) or str(e)
+    except Exception as e:  # any other failure: not a PyTorch checkpoint at all
+        raise ValueError(f"{flag} {weights}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
+
+
+def _load_untrusted(data: bytes, flag: str, weights: str | Path) -> dict:
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False,
+                          pickle_module=_former_names_pickle())
     except Exception as e:
-        raise ValueError(f"{flag} {path}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{flag} {weights}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
 
 
-def _unsafe_globals(referenced: set[str] | None, allowed: tuple) -> str:
+def _unsafe_globals(data: bytes, allowed: tuple) -> str:
+    """The globals a refused file names that neither torch nor the allow-list allows (the first five)."""
     names = {f"{c.__module__}.{c.__qualname__}" for c in allowed} | {n for _, n in _former_names(allowed)}
-    names = sorted(g for g in referenced or () if g not in names and g != "builtins.getattr")
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
+    names = sorted(g for g in unsafe if g not in names and g != "builtins.getattr")
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
