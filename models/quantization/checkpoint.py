@@ -208,7 +208,8 @@ def _references_in(data: bytes) -> tuple[References | None, str]:
     try:
         pickled = _checkpoint_pickle(data)
         if pickled is None:
-            return None, "not an archive written by torch.save (PyTorch >= 1.6)"
+            return None, ("not an archive written by torch.save of PyTorch >= 1.6; an older file you trust loads "
+                          "with --trust-checkpoint")
         return _pickle_references(pickled), ""
     except Exception as e:
         return None, f"{type(e).__name__}: {e}"
