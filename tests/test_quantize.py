@@ -464,6 +464,122 @@ def test_a_checkpoint_never_runs_an_allowed_classs_constructor(tmp_path, trust):
         assert type(read_checkpoint(path, trust=True)["model"]).__name__ == "DetectionModel" and marker.exists()
 
 
+def _archive(path, pickled: bytes):
+    """A torch.save archive (torch's own records) whose pickle is `pickled`: bytes a crafted file can hold."""
+    import zipfile
+    torch.save({}, path)
+    with zipfile.ZipFile(path) as z:
+        records = {n: z.read(n) for n in z.namelist()}
+    records[next(n for n in records if n.endswith("/data.pkl"))] = pickled
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, data in records.items():
+            z.writestr(name, data)
+    return path
+
+
+def _g(module: str, name: str) -> bytes:  # GLOBAL
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _s(text: str) -> bytes:  # BINUNICODE
+    return b"X" + len(text).to_bytes(4, "little") + text.encode()
+
+
+def _in_model(obj: bytes) -> bytes:
+    """A protocol-2 pickle of {"model": obj}: PROTO, EMPTY_DICT, the key and `obj`, SETITEM, STOP."""
+    return b"\x80\x02}" + _s("model") + obj + b"s."
+
+
+_IDENTITY = _g("torch.nn.modules.linear", "Identity") + b")\x81"  # NEWOBJ: an Identity, no constructor run
+_MODULE_STATE = b"}(" + b"".join(_s(k) + b"}" for k in ("_modules", "_parameters", "_buffers")) + b"ub"  # BUILD
+_CRAFTED = {  # what each pickle does when fully unpickled (a C unpickler finding only allowed globals does the same)
+    # MaxCalibrator.collect = "x" in the whole process: BUILD's (state, slotstate) set on a class, which has no
+    # __setstate__ of its own
+    "state-on-a-class": (_g("pytorch_quantization.calib.max", "MaxCalibrator") + b"N}" + _s("collect") + _s("x") +
+                         b"s\x86b", "BUILD on an object the file did not make"),
+    # a call of what a call returned: getattr(Identity(), "forward")("x"): any module's forward, any arguments
+    "call-of-a-result": (_g("builtins", "getattr") + _IDENTITY + _s("forward") + b"\x86R" + _s("x") + b"\x85R",
+                         "REDUCE of an object that is no global"),
+    # ModuleList.append run by APPEND on the file's module
+    "append-to-a-module": (_g("torch.nn.modules.container", "ModuleList") + b")\x81" + _MODULE_STATE + _IDENTITY +
+                           b"a", "APPEND to an object that is no list"),
+    # ModuleDict.__setitem__ run by SETITEM
+    "items-on-a-module": (_g("torch.nn.modules.container", "ModuleDict") + b")\x81" + _MODULE_STATE + _s("x") +
+                          _IDENTITY + b"s", "SETITEM on an object that is no dict"),
+    # INST: a class called with the file's arguments (no opcode of torch's restricted unpickler)
+    "inst": (b"(" + _s("x") + b"itorch.nn.modules.linear\nIdentity\n", "opcode INST"),
+    # Identity.forward.x = "y" in the whole process: BUILD on the method getattr returned sets its function's dict
+    "state-on-a-method": (_g("builtins", "getattr") + _IDENTITY + _s("forward") + b"\x86R}" + _s("x") + _s("y") +
+                          b"sb", "sets state or items on what builtins.getattr returns"),
+}
+
+
+@pytest.mark.parametrize("case", _CRAFTED)
+def test_a_crafted_pickle_is_refused_before_anything_is_unpickled(case, tmp_path):
+    """The allow-list unpickles with Python's C unpickler (torch's restricted one, in Python, is about 4x slower), which
+    runs what torch's refuses: state set on a class, calls of what a call returned, appends and item assignments on
+    any object, state set on what a function returned. The scan of the pickle refuses each of those first, as
+    torch's unpickler would, in the one-line message, and the class or function a file tries to change stays as it
+    was. Each pickle is valid: fully unpickled
+    (--trust-checkpoint) it loads, and the class or function changes."""
+    from pytorch_quantization.calib.max import MaxCalibrator
+
+    from models.quantization.checkpoint import read_checkpoint
+    collect, forward = MaxCalibrator.collect, torch.nn.Identity.forward
+    obj, refusal = _CRAFTED[case]
+    path = _archive(tmp_path / f"{case}.pt", _in_model(obj))
+    try:
+        with pytest.raises(ValueError) as e:
+            read_checkpoint(path)
+        assert refusal in str(e.value) and ("is not allowed in a YOLO checkpoint" in str(e.value) or
+                                            "--trust-checkpoint" in str(e.value))
+        assert MaxCalibrator.collect is collect and not vars(forward)
+        try:
+            read_checkpoint(path, trust=True)
+        except ValueError as e:  # what the pickle made is no YOLO model: loaded all the same
+            assert "no YOLO model inside" in str(e)
+        assert (MaxCalibrator.collect == "x") == (case == "state-on-a-class")
+        assert (vars(forward) == {"x": "y"}) == (case == "state-on-a-method")
+    finally:
+        MaxCalibrator.collect = collect
+        vars(forward).clear()
+
+
+def test_the_allow_list_loads_what_full_unpickling_loads(tmp_path):
+    """The C unpickler behind the allow-list makes the same objects as full unpickling: an upstream checkpoint (the
+    demo's, methods stored on modules included) and a quantized one with calibrators and shared quantizers, compared
+    tensor by tensor and attribute by attribute."""
+    from conftest import REPO
+    from models.quantization.checkpoint import read_checkpoint
+    quantized = _quantized("gelan-t")
+    calibrate(quantized, QuantRecipe(calib_method="percentile", percentile=99.99), _images(1))
+    for path in (REPO / "assets" / "gelan-t-demo.pt", save_checkpoint(quantized, tmp_path / "q.pt")):
+        allowed, full = read_checkpoint(path), torch.load(path, map_location="cpu", weights_only=False)
+        assert _same_objects(allowed, full, set()) == "", path
+
+
+def _same_objects(a, b, seen: set, where: str = "") -> str:
+    """Where two unpickled object graphs differ ("" where they do not): types, tensors, containers, attributes."""
+    if type(a) is not type(b):
+        return f"{where}: {type(a).__name__} against {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        same = a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad and torch.equal(a, b)
+        return "" if same else f"{where}: tensor"
+    if isinstance(a, (list, tuple)) or isinstance(a, dict) and list(a) != list(b):
+        if len(a) != len(b) or isinstance(a, dict):
+            return f"{where}: {len(a)} against {len(b)} items"
+    if isinstance(a, dict):
+        return next((d for k in a if (d := _same_objects(a[k], b[k], seen, f"{where}.{k}"))), "")
+    if isinstance(a, (list, tuple)):
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _same_objects(x, y, seen, f"{where}[{i}]"))), "")
+    if callable(a) and not isinstance(a, torch.nn.Module):  # a method stored on a module: the same function
+        return "" if getattr(a, "__func__", a) is getattr(b, "__func__", b) else f"{where}: {a} against {b}"
+    if hasattr(a, "__dict__") and id(a) not in seen:
+        seen.add(id(a))
+        return _same_objects(vars(a), vars(b), seen, where)
+    return "" if hasattr(a, "__dict__") or a == b or a != a and b != b else f"{where}: {a!r} against {b!r}"
+
+
 def test_checkpoint_roundtrip_on_cpu(gelan_t, tmp_path):
     calibrate(gelan_t, QuantRecipe(calib_method="percentile", percentile=99.99), _images(1))
     x = _images(1, seed=7)[0]

@@ -1,16 +1,16 @@
 """Reading and writing YOLO checkpoints, safely.
 
-A YOLO checkpoint is a pickled model, and unpickling can run arbitrary code. Files are therefore read with
-`torch.load(weights_only=True)` and an allow-list of the classes such a checkpoint legitimately holds: the
-torch.nn modules, upstream YOLOv9's modules, this overlay's quantized modules and the quantization backends'
-modules and calibrators (Model Optimizer's only where the file names them: importing it takes seconds). The list
-is derived from those packages (every nn.Module subclass they define), never a function. torch's restricted
-unpickler calls any allowed global a file asks it to call (REDUCE), classes included, which runs the class's
-constructor with the file's arguments: upstream's model constructors evaluate the strings of their config, so one
-crafted file could run any code. A checkpoint creates its modules the way pickle creates any object (NEWOBJ: no
-constructor runs), so the pickle is read first without unpickling, and a file that calls a class of the list is
-refused. `trust=True` (`--trust-checkpoint`) falls back to full unpickling for files from a source the user trusts,
-with a warning.
+A YOLO checkpoint is a pickled model, and unpickling can run arbitrary code. Files are therefore read with an
+allow-list of the globals such a checkpoint legitimately holds: torch's tensors and containers, the torch.nn modules,
+upstream YOLOv9's modules, this overlay's quantized modules and the quantization backends' modules and calibrators
+(Model Optimizer's only where the file names them: importing it takes seconds). The list is derived from those
+packages (every nn.Module subclass they define), never a function. The pickle is read first without unpickling, its
+stack followed symbolically, and refused where it does what torch's restricted unpickler
+(`torch.load(weights_only=True)`) refuses, or calls a class of the list: torch's unpickler would, running the
+class's constructor with the file's arguments, and upstream's model constructors evaluate the strings of their
+config. A checkpoint creates its modules the way pickle creates any object (NEWOBJ: no constructor runs). What passes
+is unpickled by Python's C unpickler restricted to the list, about 4x faster than torch's (Python). `trust=True`
+(`--trust-checkpoint`) falls back to full unpickling for files from a source the user trusts, with a warning.
 
 Upstream stores methods on modules (`m.forward = m.forward_fuse` when fusing, `self.detect = DDetect.forward`
 in segmentation heads), which pickle as calls of `getattr`. Only a restricted getattr is allowed: it returns
@@ -71,6 +71,12 @@ def _numpy_values() -> list:
                                                 if hasattr(np, "dtypes") and hasattr(np.dtypes, n))]
 
 
+def _numpy_reconstruct() -> str:
+    """The name of numpy's array constructor, as pickles name it: a function whose result a file sets state on."""
+    reconstruct = _numpy_values()[1]
+    return f"{reconstruct.__module__}.{reconstruct.__qualname__}"
+
+
 @lru_cache(maxsize=None)
 def allowed_classes(backends: tuple[str, ...] = (DEFAULT_BACKEND,)) -> tuple:
     """Classes a YOLO / yolov9-qat checkpoint quantized with `backends` may hold: modules and calibrators (no
@@ -119,9 +125,12 @@ def _forward_getattr(allowed: tuple):
 
 
 class References(NamedTuple):
-    """What a checkpoint's pickle names (every global, as `module.name`) and which of those it calls."""
+    """What a checkpoint's pickle names (every global, as `module.name`), which of those it calls (REDUCE), and which
+    of those calls make an object it then fills: state set (BUILD) or items set (SETITEM)."""
     named: frozenset[str]
     called: frozenset[str]
+    built: frozenset[str]
+    filled: frozenset[str]
 
 
 def _global_name(arg: str) -> str:
@@ -140,40 +149,85 @@ def _stack_effect(op: pickletools.OpcodeInfo) -> tuple[bool, int, int]:
     return marked, before.index(pickletools.markobject) if marked else len(before), len(op.stack_after)
 
 
-_EFFECTS = {op.name: _stack_effect(op) for op in pickletools.opcodes}
-_REFUSED_OPCODES = frozenset({"INST", "OBJ", "EXT1", "EXT2", "EXT4", "STACK_GLOBAL", "NEWOBJ_EX"})
+# The opcodes torch's restricted unpickler executes (torch.save writes protocol 2 with no others), each with its stack
+# effect; a file with any other (INST and OBJ call classes, STACK_GLOBAL and EXT* find globals unchecked here, ...)
+# is refused.
+_EFFECTS = {op.name: _stack_effect(op) for op in pickletools.opcodes if op.name in {
+    "PROTO", "STOP", "MARK", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS", "SETITEM", "SETITEMS",
+    "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET", "NONE",
+    "NEWFALSE", "NEWTRUE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "BINUNICODE", "SHORT_BINSTRING",
+    "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT"}}
+_TARGETED = frozenset({"REDUCE", "NEWOBJ", "BUILD", "APPEND", "APPENDS", "SETITEM", "SETITEMS"})
+
+
+class _Made(NamedTuple):
+    """A stack entry the scan follows: a global (`how` "global"), an object a global made (`how` "new": NEWOBJ,
+    "call": REDUCE), or an empty list or dict (`how` "list", "dict"); every other entry is None."""
+    how: str
+    name: str = ""
+
+
+_LIST, _DICT = _Made("list"), _Made("dict")
 
 
 def _pickle_references(pickled: bytes) -> References:
-    """The globals a pickle names and calls, read without unpickling: its stack followed symbolically, each entry the
-    name of the global it holds or None. Opcodes that make objects other than by NEWOBJ and REDUCE (INST, OBJ, the
-    extension registry) or find globals other than by GLOBAL are refused: torch's restricted unpickler has none."""
-    stack, memo, named, called = [], {}, set(), set()
+    """The globals a pickle names and calls, read without unpickling: its stack followed symbolically. Besides the
+    opcodes outside torch's set, refused as torch's unpickler refuses them: a call (REDUCE) or creation (NEWOBJ) of
+    anything but a global, state set (BUILD) on anything but an object the pickle made (a global's own attributes
+    would change), appends to anything but a list, items set on anything but a dict or an object a global made."""
+    stack: list = []
+    memo, named, called, built, filled = {}, set(), set(), set(), set()
     mark = pickletools.markobject
+
+    def refuse(what: str):
+        raise pickle.UnpicklingError(f"{what} is not allowed in a YOLO checkpoint")
+
     for op, arg, _ in pickletools.genops(pickled):
         name = op.name
-        if name in ("BINGET", "LONG_BINGET", "GET"):
+        if name in ("BINPUT", "LONG_BINPUT"):
+            memo[arg] = stack[-1]
+        elif name in ("BINGET", "LONG_BINGET"):
             stack.append(memo[arg])
-        elif name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
-            memo[len(memo) if arg is None else arg] = stack[-1]
         elif name == "GLOBAL":
-            stack.append(_global_name(arg))
-            named.add(stack[-1])
+            stack.append(_Made("global", _global_name(arg)))
+            named.add(stack[-1].name)
         elif name == "MARK":
             stack.append(mark)
-        elif name in _REFUSED_OPCODES:
-            raise pickle.UnpicklingError(f"opcode {name} is not allowed in a YOLO checkpoint")
+        elif name not in _EFFECTS:
+            refuse(f"opcode {name}")
         else:
             marked, taken, left = _EFFECTS[name]
             if marked:  # what lies above the last mark, and the mark
                 while stack.pop() is not mark:
                     pass
-            if name == "REDUCE" and stack[-2]:
-                called.add(stack[-2])
-            if taken:
-                del stack[-taken:]
-            stack.extend((None,) * left)
-    return References(frozenset(named), frozenset(called))
+            if name not in _TARGETED:
+                if taken:
+                    del stack[-taken:]
+                if left:
+                    stack.append(_LIST if name == "EMPTY_LIST" else _DICT if name == "EMPTY_DICT" else None)
+                continue
+            target = stack[-taken]
+            del stack[len(stack) - taken + 1:]  # the target stays, as the object made or the one changed
+            how = target.how if target else None
+            if name in ("REDUCE", "NEWOBJ"):
+                if how != "global":
+                    refuse(f"{name} of an object that is no global")
+                stack[-1] = _Made("call" if name == "REDUCE" else "new", target.name)
+                if name == "REDUCE":
+                    called.add(target.name)
+            elif name == "BUILD":
+                if how not in ("new", "call"):
+                    refuse("BUILD on an object the file did not make")
+                if how == "call":
+                    built.add(target.name)
+            elif name in ("APPEND", "APPENDS"):
+                if how != "list":
+                    refuse(f"{name} to an object that is no list")
+            elif how not in ("dict", "call"):
+                refuse(f"{name} on an object that is no dict")
+            elif how == "call":
+                filled.add(target.name)
+    return References(frozenset(named), frozenset(called), frozenset(built), frozenset(filled))
 
 
 def _checkpoint_pickle(data: bytes) -> bytes | None:
@@ -185,6 +239,23 @@ def _checkpoint_pickle(data: bytes) -> bytes | None:
             return archive.get_record("data.pkl") if archive.has_record("data.pkl") else None
 
 
+# Of the globals torch's restricted unpickler allows, those a YOLO checkpoint holds (tensors, parameters, their
+# storages and dtypes, ordered dicts, sizes, sets, bytes): the others rebuild sparse, nested, quantized or subclassed
+# tensors, which call what the file passes them or need checks of their own.
+_TORCH_GLOBALS = ("collections.OrderedDict", "torch.nn.parameter.Parameter", "torch.Size", "torch.device",
+                  "_codecs.encode", "builtins.set", "torch._utils._rebuild_tensor_v2",
+                  "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state")
+_DICT_TYPES = ("collections.OrderedDict",)  # a file may make these (REDUCE) and set their items
+
+
+@lru_cache(maxsize=None)
+def _torch_globals() -> dict[str, object]:
+    """Those globals, as torch's restricted unpickler finds them by name (the same objects)."""
+    from torch._weights_only_unpickler import _get_allowed_globals
+    return {name: g for name, g in _get_allowed_globals().items() if name in _TORCH_GLOBALS or
+            isinstance(g, (torch.dtype, torch.serialization.StorageType)) or g in torch._storage_classes}
+
+
 def _never_called(allowed: tuple) -> set[str]:
     """The names (and former names) of the allow-list's module and calibrator classes: a checkpoint creates them
     (NEWOBJ) and never calls them, which would run their constructors with its own arguments."""
@@ -193,14 +264,27 @@ def _never_called(allowed: tuple) -> set[str]:
     return {f"{c.__module__}.{c.__qualname__}" for c in classes} | {name for _, name in _former_names(classes)}
 
 
-def _allowed_globals_in(allowed: tuple, named: frozenset[str]) -> list:
-    """The allow-list narrowed to the module and calibrator classes the file's pickle names: torch's restricted
-    unpickler looks each reference up in the whole list, ~0.3 s a load with all of it. numpy's values stay whole: a
-    pickled dtype names `numpy.dtype` and unpickles as a subclass of it that the unpickler checks too."""
-    every = [*allowed, *_former_names(allowed), (_forward_getattr(allowed), "builtins.getattr")]
-    numpy_values = set(_numpy_values())
-    return [g for g in every if g in numpy_values or
-            (g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}") in named]
+def _allowed_globals(allowed: tuple) -> dict[str, object]:
+    """Every global a checkpoint may name, by the name it gives: torch's tensors and containers, the allow-list's
+    classes (and their former names), and getattr restricted to `forward*` methods."""
+    return {**_torch_globals(), **{f"{c.__module__}.{c.__qualname__}": c for c in allowed},
+            **{name: c for c, name in _former_names(allowed)}, "builtins.getattr": _forward_getattr(allowed)}
+
+
+def _refusal(references: References, allowed: tuple, globals_: dict[str, object]) -> str:
+    """Why the allow-list refuses a file it has scanned, or "" where it loads."""
+    unknown = sorted(references.named - globals_.keys())
+    if unknown:
+        return ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+    calls = sorted(references.called & _never_called(allowed))
+    if calls:
+        return f"calls {', '.join(calls)}: a constructor run with the file's own arguments"
+    makers = {n for n, g in globals_.items() if isinstance(g, type)} | {_numpy_reconstruct()}
+    not_made = sorted(references.built - makers)
+    not_dicts = sorted(references.filled - set(_DICT_TYPES))
+    if not_made or not_dicts:
+        return f"sets state or items on what {', '.join(not_made + not_dicts)} returns"
+    return ""
 
 
 def _references_in(data: bytes) -> tuple[References | None, str]:
@@ -240,17 +324,34 @@ def read_checkpoint(weights: str | Path, trust: bool = False, flag: str = "--wei
     return ckpt
 
 
+def _allow_list_pickle(globals_: dict[str, object]) -> ModuleType:
+    """`pickle` with Python's C unpickler finding only `globals_`, in the form torch.load's pickle_module takes.
+    It runs what the scan has followed (`_pickle_references`: the opcodes and targets torch's restricted unpickler
+    allows), about 4x faster than that unpickler, which is Python."""
+    class AllowListUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            found = globals_.get(_global_name(f"{module} {name}"))
+            if found is None:
+                raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a YOLO checkpoint")
+            return found
+
+    module = ModuleType("allow_list_pickle")
+    module.Unpickler, module.load = AllowListUnpickler, pickle.load
+    return module
+
+
 def _load_allowed(data: bytes, references: References, allowed: tuple, flag: str, weights: str | Path
                   ) -> tuple[dict | None, str]:
     """The checkpoint loaded through the allow-list, or why it is refused."""
-    calls = sorted(references.called & _never_called(allowed))
-    if calls:
-        return None, f"calls {', '.join(calls)}: a constructor run with the file's own arguments"
+    globals_ = _allowed_globals(allowed)
+    refusal = _refusal(references, allowed, globals_)
+    if refusal:
+        return None, refusal
     try:
-        with torch.serialization.safe_globals(_allowed_globals_in(allowed, references.named)):
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), ""
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False,
+                          pickle_module=_allow_list_pickle(globals_)), ""
     except pickle.UnpicklingError as e:
-        return None, _unsafe_globals(data, allowed) or str(e)
+        return None, str(e)
     except Exception as e:  # any other failure: not a PyTorch checkpoint at all
         raise ValueError(f"{flag} {weights}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
 
@@ -261,14 +362,6 @@ def _load_untrusted(data: bytes, flag: str, weights: str | Path) -> dict:
                           pickle_module=_former_names_pickle())
     except Exception as e:
         raise ValueError(f"{flag} {weights}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
-
-
-def _unsafe_globals(data: bytes, allowed: tuple) -> str:
-    """The globals a refused file names that neither torch nor the allow-list allows (the first five)."""
-    names = {f"{c.__module__}.{c.__qualname__}" for c in allowed} | {n for _, n in _former_names(allowed)}
-    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
-    names = sorted(g for g in unsafe if g not in names and g != "builtins.getattr")
-    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _storable(model: nn.Module) -> nn.Module:

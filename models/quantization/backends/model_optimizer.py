@@ -64,4 +64,5 @@ BACKEND = Backend(
     quantized_conv=lambda conv: convert_instance(conv, QuantConv2d),
     quantized_maxpool=lambda pool: convert_instance(pool, QuantMaxPool2d),
     checkpoint_modules=(__name__,),  # a checkpoint names the subclasses above, never Model Optimizer's own modules
+    calibrator_modules=("modelopt.torch.quantization.calib",),  # but its quantizers' calibrators
 )
