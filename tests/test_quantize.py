@@ -547,13 +547,15 @@ def test_a_crafted_pickle_is_refused_before_anything_is_unpickled(case, tmp_path
 
 def test_the_allow_list_loads_what_full_unpickling_loads(tmp_path):
     """The C unpickler behind the allow-list makes the same objects as full unpickling: an upstream checkpoint (the
-    demo's, methods stored on modules included) and a quantized one with calibrators and shared quantizers, compared
-    tensor by tensor and attribute by attribute."""
+    demo's, methods stored on modules included) and a quantized one with calibrators and shared quantizers (and
+    numpy's values, as upstream's training checkpoints hold `best_fitness`), compared tensor by tensor and attribute
+    by attribute."""
     from conftest import REPO
     from models.quantization.checkpoint import read_checkpoint
     quantized = _quantized("gelan-t")
     calibrate(quantized, QuantRecipe(calib_method="percentile", percentile=99.99), _images(1))
-    for path in (REPO / "assets" / "gelan-t-demo.pt", save_checkpoint(quantized, tmp_path / "q.pt")):
+    saved = save_checkpoint(quantized, tmp_path / "q.pt", best_fitness=np.array([0.5]), fitness=np.float64(0.25))
+    for path in (REPO / "assets" / "gelan-t-demo.pt", saved):
         allowed, full = read_checkpoint(path), torch.load(path, map_location="cpu", weights_only=False)
         assert _same_objects(allowed, full, set()) == "", path
 
@@ -565,6 +567,8 @@ def _same_objects(a, b, seen: set, where: str = "") -> str:
     if isinstance(a, torch.Tensor):
         same = a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad and torch.equal(a, b)
         return "" if same else f"{where}: tensor"
+    if isinstance(a, np.ndarray):
+        return "" if a.dtype == b.dtype and np.array_equal(a, b) else f"{where}: array"
     if isinstance(a, (list, tuple)) or isinstance(a, dict) and list(a) != list(b):
         if len(a) != len(b) or isinstance(a, dict):
             return f"{where}: {len(a)} against {len(b)} items"

@@ -61,20 +61,23 @@ def backends_named(globals_in_file: set[str]) -> tuple[str, ...]:
                  if name == DEFAULT_BACKEND or any(g.startswith((f"{module}.", f"{library}.")) for g in globals_in_file))
 
 
+def _numpy_multiarray() -> ModuleType:
+    import numpy as np
+    return (getattr(np, "_core", None) or np.core).multiarray
+
+
 def _numpy_values() -> list:
     """What upstream's checkpoints pickle for `best_fitness` (a numpy float64, or a 1-element array in those saved
     during training): data only; anything an array holds still passes the allow-list."""
     import numpy as np
-    core = getattr(np, "_core", None) or np.core
-    return [core.multiarray.scalar, core.multiarray._reconstruct, np.ndarray, np.dtype,
+    return [_numpy_multiarray().scalar, _numpy_multiarray()._reconstruct, np.ndarray, np.dtype,
             *(getattr(np.dtypes, n) for n in ("Float64DType", "Float32DType")
                                                 if hasattr(np, "dtypes") and hasattr(np.dtypes, n))]
 
 
 def _numpy_reconstruct() -> str:
     """The name of numpy's array constructor, as pickles name it: a function whose result a file sets state on."""
-    reconstruct = _numpy_values()[1]
-    return f"{reconstruct.__module__}.{reconstruct.__qualname__}"
+    return f"{_numpy_multiarray().__name__}._reconstruct"
 
 
 @lru_cache(maxsize=None)
