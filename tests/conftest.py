@@ -51,6 +51,14 @@ def pytest_collection_modifyitems(items) -> None:
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), item.path.name))
 
 
+def pytest_collection_finish(session) -> None:
+    """The objects the test modules' imports made (torch, the checkout: alive for the whole session) left out of the
+    full garbage collections, which would otherwise traverse them all each time (~0.2 s a collection in a worker;
+    test_quantize.py ran 6 % faster)."""
+    import gc
+    gc.freeze()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cpu_share():
     import torch
