@@ -516,12 +516,11 @@ _CRAFTED = {  # what each pickle does when fully unpickled (a C unpickler findin
 
 @pytest.mark.parametrize("case", _CRAFTED)
 def test_a_crafted_pickle_is_refused_before_anything_is_unpickled(case, tmp_path):
-    """The allow-list unpickles with Python's C unpickler (torch's restricted one, in Python, is about 4x slower), which
-    runs what torch's refuses: state set on a class, calls of what a call returned, appends and item assignments on
-    any object, state set on what a function returned. The scan of the pickle refuses each of those first, as
+    """The allow-list unpickles with Python's C unpickler (torch's restricted one, in Python, is about 4x slower),
+    which runs what torch's refuses: state set on a class, calls of what a call returned, appends and item assignments
+    on any object, state set on what a function returned. The scan of the pickle refuses each of those first, as
     torch's unpickler would, in the one-line message, and the class or function a file tries to change stays as it
-    was. Each pickle is valid: fully unpickled
-    (--trust-checkpoint) it loads, and the class or function changes."""
+    was. Each pickle is valid: fully unpickled (--trust-checkpoint) it loads, and the class or function changes."""
     from pytorch_quantization.calib.max import MaxCalibrator
 
     from models.quantization.checkpoint import read_checkpoint
@@ -569,12 +568,13 @@ def _same_objects(a, b, seen: set, where: str = "") -> str:
         return "" if same else f"{where}: tensor"
     if isinstance(a, np.ndarray):
         return "" if a.dtype == b.dtype and np.array_equal(a, b) else f"{where}: array"
-    if isinstance(a, (list, tuple)) or isinstance(a, dict) and list(a) != list(b):
-        if len(a) != len(b) or isinstance(a, dict):
-            return f"{where}: {len(a)} against {len(b)} items"
     if isinstance(a, dict):
+        if list(a) != list(b):
+            return f"{where}: keys {list(a)} against {list(b)}"
         return next((d for k in a if (d := _same_objects(a[k], b[k], seen, f"{where}.{k}"))), "")
     if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where}: {len(a)} against {len(b)} items"
         return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _same_objects(x, y, seen, f"{where}[{i}]"))), "")
     if callable(a) and not isinstance(a, torch.nn.Module):  # a method stored on a module: the same function
         return "" if getattr(a, "__func__", a) is getattr(b, "__func__", b) else f"{where}: {a} against {b}"
