@@ -544,11 +544,12 @@ def test_a_crafted_pickle_is_refused_before_anything_is_unpickled(case, tmp_path
         vars(forward).clear()
 
 
-def test_the_allow_list_loads_what_full_unpickling_loads(tmp_path):
+def test_the_allow_list_loads_what_full_unpickling_loads(tmp_path, monkeypatch):
     """The C unpickler behind the allow-list makes the same objects as full unpickling: an upstream checkpoint (the
     demo's, methods stored on modules included) and a quantized one with calibrators and shared quantizers (and
     numpy's values, as upstream's training checkpoints hold `best_fitness`), compared tensor by tensor and attribute
-    by attribute."""
+    by attribute. Where TORCH_FORCE_WEIGHTS_ONLY_LOAD makes torch refuse any unpickler but its own, its own loads
+    them through the same allow-list, the same objects again."""
     from conftest import REPO
     from models.quantization.checkpoint import read_checkpoint
     quantized = _quantized("gelan-t")
@@ -557,6 +558,9 @@ def test_the_allow_list_loads_what_full_unpickling_loads(tmp_path):
     for path in (REPO / "assets" / "gelan-t-demo.pt", saved):
         allowed, full = read_checkpoint(path), torch.load(path, map_location="cpu", weights_only=False)
         assert _same_objects(allowed, full, set()) == "", path
+        with monkeypatch.context() as m:
+            m.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+            assert _same_objects(read_checkpoint(path), full, set()) == "", path
 
 
 def _same_objects(a, b, seen: set, where: str = "") -> str:
