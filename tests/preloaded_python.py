@@ -6,8 +6,9 @@ server pays the imports once per test worker and environment. Each request is a 
 nothing run in it but those imports, in which the script runs as `__main__` with its own argv, working directory,
 sys.path[0], umask and standard streams, and which exits as the interpreter exits after a script (non-daemon threads
 joined, atexit handlers run; module teardown skipped). What it shares with its siblings is only the state an import
-leaves; the RNGs that import seeds from the OS are seeded again per fork, as a new interpreter would.
-tests/test_harness.py compares it with a fresh interpreter.
+leaves, and the garbage collector's setting (settle_collector: the imports' objects frozen out of its reach); the
+RNGs that import seeds from the OS are seeded again per fork, as a new interpreter would. tests/test_harness.py
+compares it with a fresh interpreter.
 
 Two ways in:
 - the test process (conftest.run_preloaded, start_preloaded), one JSON line each way on the server's stdin and
