@@ -111,10 +111,10 @@ class _FormerNamesUnpickler(pickle.Unpickler):
         return super().find_class(module_now(module, name), name)
 
 
-def _former_names_pickle() -> ModuleType:
-    """`pickle` with the unpickler above, in the form torch.load's pickle_module takes."""
-    module = ModuleType("former_names_pickle")
-    module.Unpickler, module.load = _FormerNamesUnpickler, pickle.load
+def _pickle_module(unpickler: type[pickle.Unpickler]) -> ModuleType:
+    """`pickle` with `unpickler`, in the form torch.load's pickle_module takes."""
+    module = ModuleType(f"{unpickler.__name__}_pickle")
+    module.Unpickler, module.load = unpickler, pickle.load
     return module
 
 
@@ -339,9 +339,7 @@ def _allow_list_pickle(globals_: dict[str, object]) -> ModuleType:
                 raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a YOLO checkpoint")
             return found
 
-    module = ModuleType("allow_list_pickle")
-    module.Unpickler, module.load = AllowListUnpickler, pickle.load
-    return module
+    return _pickle_module(AllowListUnpickler)
 
 
 def _weights_only_forced() -> bool:
@@ -374,7 +372,7 @@ def _load_allowed(data: bytes, references: References, allowed: tuple, flag: str
 def _load_untrusted(data: bytes, flag: str, weights: str | Path) -> dict:
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False,
-                          pickle_module=_former_names_pickle())
+                          pickle_module=_pickle_module(_FormerNamesUnpickler))
     except Exception as e:
         raise ValueError(f"{flag} {weights}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
 
