@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from models.quantization.checkpoint import load_for_export, read_checkpoint  # noqa: E402
+from models.quantization.checkpoint import fuse, load_for_export, read_checkpoint  # noqa: E402
 from models.quantization.quantize import is_quantized  # noqa: E402
 from utils.general import LOGGER, colorstr  # noqa: E402
 from utils.io_utils import atomic_write, cli_main  # noqa: E402
@@ -77,7 +77,7 @@ def _load_any_head(weights: Path, ckpt: dict, device):
     except ValueError as e:
         if "reparameterization.py" not in str(e):
             raise
-        return (ckpt.get("ema") or ckpt["model"]).float().fuse().to(device).eval()
+        return fuse((ckpt.get("ema") or ckpt["model"]).float()).to(device).eval()
 
 
 def parse_opt(argv=None):

@@ -298,6 +298,7 @@ def test_killed_run_resumes_to_the_same_result(max_loss_run):
     first = next(line for line in (r.stdout + r.stderr).splitlines() if "resume=" in line)
     # the argument line says what it runs: the run's own settings, not the parser's defaults (data/coco.yaml, 640)
     assert f"data={report['config']['data']}" in first and "imgsz=640" not in first and "max_loss=0" in first
+    assert "qat: " in first and "io_utils" not in first  # named after the script, as upstream's lines are
     assert _summary(killed) == _summary(full)
     assert not list(killed.rglob("*.tmp")) and not list(killed.rglob("qat_state.pt"))
     again = call_cli("qat.py", "quantize", "--resume", killed, "--device", "cpu")

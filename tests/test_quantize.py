@@ -604,3 +604,24 @@ def test_checkpoint_roundtrip_on_cpu(gelan_t, tmp_path):
     fresh.load_state_dict(gelan_t.state_dict())
     with torch.no_grad():
         assert torch.equal(fresh.eval()(x)[0], ref)
+
+
+def test_fuse_makes_the_model_upstreams_fuse_makes():
+    """checkpoint.fuse, which every float checkpoint's load runs: the model upstream's BaseModel.fuse() makes (the
+    same modules, parameters and buffers bit for bit, the same modules running forward_fuse, the same outputs),
+    without the summary fuse() prints after it."""
+    from models.quantization.checkpoint import fuse
+    ours, upstreams = build_model(tiny_gelan(3)), build_model(tiny_gelan(3))
+    assert fuse(ours) is ours and upstreams.fuse() is upstreams
+
+    def fused(model) -> list[str]:
+        return [n for n, m in model.named_modules()
+                if "forward" in vars(m) and vars(m)["forward"].__func__ is type(m).forward_fuse]
+
+    assert [(n, type(m)) for n, m in ours.named_modules()] == [(n, type(m)) for n, m in upstreams.named_modules()]
+    a, b = ours.state_dict(), upstreams.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert fused(ours) == fused(upstreams) and "model.2.cv2.0.m.0.cv1" in fused(ours)  # a RepConvN
+    x = torch.rand(1, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(ours(x)[0], upstreams(x)[0])

@@ -65,15 +65,23 @@ def write_json(path: str | Path, obj) -> Path:
     return atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2) + "\n"))
 
 
+def args_line(prog: str, args: dict) -> str:
+    """A run's opening line as upstream's scripts print theirs ("train: weights=..., imgsz=640"), named after the
+    script. Upstream's print_args names the frame that calls it (here this module) and, to find that frame's file,
+    inspects every loaded module: ~0.1 s a run once torch is imported."""
+    from utils.general import colorstr
+    return colorstr(f"{Path(prog).stem}: ") + ", ".join(f"{k}={v}" for k, v in args.items())
+
+
 def cli_main(prog: str, parse_opt: Callable, run: Callable, argv=None, shown: Callable[..., dict] = vars) -> int:
-    """parse_opt() -> print_args(shown(opt)) -> run(**vars(opt)); a user error is one line on stderr and exit code 2,
-    Ctrl-C one line and exit code 130. pytorch-quantization's absl logging is kept to errors. `shown`: the
-    arguments the run really takes, where they are not the parsed flags (a resumed run's own)."""
+    """parse_opt() -> the argument line of shown(opt) -> run(**vars(opt)); a user error is one line on stderr and
+    exit code 2, Ctrl-C one line and exit code 130. pytorch-quantization's absl logging is kept to errors. `shown`:
+    the arguments the run really takes, where they are not the parsed flags (a resumed run's own)."""
     from absl import logging as absl_logging
-    from utils.general import LOGGER, print_args
+    from utils.general import LOGGER
     absl_logging.set_verbosity(absl_logging.ERROR)  # pytorch-quantization logs every quantizer state change
     opt = parse_opt(argv)
-    print_args(shown(opt))
+    LOGGER.info(args_line(prog, shown(opt)))
     try:
         run(**vars(opt))
     except (OSError, ValueError) as e:  # missing/unwritable files, bad values: the message names them

@@ -441,7 +441,24 @@ def _float_model(ckpt: dict, weights: str | Path) -> nn.Module:
     if "Panoptic" in head:
         raise ValueError(f"--weights {weights}: {head} head: panoptic models are not supported (detection and "
                          "instance segmentation are)")
-    return model.fuse()
+    return fuse(model)
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """The model with each Conv's BatchNorm folded into it and each RepConvN's two branches merged, in place, as
+    upstream's BaseModel.fuse() makes it (its functions, its forward_fuse), without the summary that fuse() prints
+    after: a deep copy of the model profiled by thop, most of the time a small model's load takes."""
+    from models.common import Conv, DWConv, RepConvN
+    from utils.torch_utils import fuse_conv_and_bn
+    for m in model.model.modules():
+        if isinstance(m, RepConvN) and hasattr(m, "fuse_convs"):
+            m.fuse_convs()
+            m.forward = m.forward_fuse
+        if isinstance(m, (Conv, DWConv)) and hasattr(m, "bn"):
+            m.conv = fuse_conv_and_bn(m.conv, m.bn)
+            delattr(m, "bn")
+            m.forward = m.forward_fuse
+    return model
 
 
 def _quantized_model(ckpt: dict, weights: str | Path) -> nn.Module:
