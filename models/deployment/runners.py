@@ -57,7 +57,8 @@ class TorchRunner:
             with detect_export_mode(self.model):
                 out = forward()
         finally:
-            self.model.train(was_training)
+            if was_training:  # train(False) would only repeat eval()'s pass over every module (~2 ms a batch)
+                self.model.train()
         out = out if isinstance(out, (list, tuple)) else (out,)
         # contiguous: the outputs' layout as from NCHW inputs (channels-last ones leave the prototypes channels-last)
         return {n: t.float().cpu().contiguous() for n, t in zip(self.output_names, out)}
