@@ -101,6 +101,23 @@ def test_a_range_is_held_for_the_block_and_cannot_change_inside_it(conv):
     assert conv.weight.grad is not None
 
 
+@pytest.mark.parametrize("switch", ["disable", "disable_quant"])
+def test_a_quantizer_switched_off_passes_its_input_through_inside_a_block(conv, switch):
+    """Mixed precision keeps convs in float with their (calibrated, so holdable) quantizers switched off; a block
+    computes their scales all the same, and the forward must still leave them off."""
+    x = torch.randn(1, conv.in_channels, 8, 8)
+    with torch.no_grad():
+        quantized = conv(x)
+        for q in (conv._input_quantizer, conv._weight_quantizer):
+            q.set_amax(torch.ones_like(q.amax) if q is conv._weight_quantizer else torch.tensor(1.0))
+            getattr(q, switch)()
+        with held(conv, weights=True):
+            assert conv._weight_quantizer._held is not None
+            inside = conv(x)
+        expected = torch.nn.functional.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding)
+    assert torch.equal(inside, expected) and not torch.equal(inside, quantized)
+
+
 def test_each_block_writes_its_scales_where_a_compiled_forward_reads_them(conv):
     """A per-channel quantizer's scales are static inputs of a compiled forward (torch.compile takes a tensor reached
     through a module for one that keeps its address, like a weight): CUDA graphs read them there, and new tensors at
