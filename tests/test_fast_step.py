@@ -7,10 +7,11 @@ import copy
 import pytest
 import torch
 import torch._dynamo
+import torch.nn as nn
 import yaml
 from conftest import CHECKOUT, REDUCED_SIZE, TRAINED_T, NothingHeld, tiny_gelan
 
-from models.finetuning.fast_step import EAGER, AutoRule, StepPlan, plan_step, teacher_mode
+from models.finetuning.fast_step import EAGER, AutoRule, StepPlan, compiled, plan_step, repeat_pixels, teacher_mode
 from models.finetuning.finetune import RECIPES, FineTuner, QATObjective
 from models.quantization.held_state import held
 from models.quantization.quantize import QuantRecipe, calibrate, copy_float, quantize_model
@@ -55,7 +56,7 @@ def tiny_ptq(tmp_path_factory):
 
 def _train(model, teacher, plan: StepPlan, batches) -> tuple[list[float], dict, torch.nn.Module]:
     """Losses of each step, the gradients after the first, and the student after all of them."""
-    from models.finetuning.fast_step import compiled, to_layout
+    from models.finetuning.fast_step import to_layout
     student, teacher = copy.deepcopy(model), copy.deepcopy(teacher)
     to_layout(student, plan)
     to_layout(teacher, plan)
@@ -171,6 +172,45 @@ def test_the_fast_step_where_it_applies():
     assert not plan_step("eager", cuda, False).fused_optimizer  # --step eager: the step as it always was
     with pytest.raises(ValueError, match="--step"):
         plan_step("fast", cuda, False)
+
+
+def test_upsampling_is_compiled_as_a_repeat_with_the_same_values_and_gradients():
+    """The compiled step's graph has upstream's nearest upsampling (nn.Upsample) by whole factors as a repeat of each
+    pixel (fast_step.upsample_by_repeat: its gradient a sum per block, not an indexed accumulation); other resizings
+    stay as they are. The forward copies values: equal to the last bit, in the input's memory format. The gradient
+    adds each block's values in another order than the native kernel: float32 rounding, ~1e-7 relative."""
+    seen: list[tuple[int, int]] = []  # (repeats, F.interpolate calls) in each graph the backend was given
+
+    def recording(gm, example_inputs):
+        targets = [n.target for n in gm.graph.nodes]
+        seen.append((targets.count(repeat_pixels), targets.count(torch.nn.functional.interpolate)))
+        return gm.forward
+
+    if "recording" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(recording, "recording")
+    plan = StepPlan(compiled=True, channels_last=False, fused_optimizer=False, reason="test", backend="recording",
+                    mode=None)
+    cases = ((nn.Upsample(scale_factor=2, mode="nearest"), True), (nn.Upsample(scale_factor=(3, 2)), True),
+             (nn.Upsample(scale_factor=2, mode="bilinear"), False), (nn.Upsample(scale_factor=1.5), False),
+             (nn.Upsample(size=(12, 12)), False))
+    for upsample, rewritten in cases:
+        for memory_format in (torch.contiguous_format, torch.channels_last):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Conv2d(3, 4, 1), upsample).to(memory_format=memory_format)
+            x = torch.randn(2, 3, 6, 5).contiguous(memory_format=memory_format)
+            outputs, grads = [], []
+            for forward in (net, compiled(net, plan)):
+                net.zero_grad()
+                out = forward(x)
+                (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).square().sum().backward()
+                outputs.append(out)
+                grads.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
+            torch._dynamo.reset()
+            assert seen == [(1, 0) if rewritten else (0, 1)], (upsample, memory_format, seen)
+            seen.clear()
+            assert torch.equal(outputs[1], outputs[0]), (upsample, memory_format)
+            assert outputs[1].is_contiguous(memory_format=memory_format), (upsample, memory_format)
+            assert _rel(grads[1], grads[0]) < 1e-6, (upsample, memory_format)
 
 
 def test_each_epoch_is_judged_on_the_weights_it_trained(demo_data320):
