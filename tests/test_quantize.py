@@ -10,7 +10,7 @@ from conftest import build_model, tiny_gelan
 from pytorch_quantization.nn.modules.tensor_quantizer import TensorQuantizer
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.quantization.backends import get_backend
+from models.quantization.backends import Quantizer, get_backend
 from models.quantization.calibration import PER_QUANTIZER, HistogramCollector, amax_entropy, amax_mse, amax_percentile
 from models.quantization.checkpoint import load_quantized_model, save_checkpoint
 from models.quantization.fake_quant import fake_quant
@@ -18,6 +18,7 @@ from models.quantization.held_state import held
 from models.quantization.quantize import (CALIB_METHODS, HISTOGRAM_CANDIDATES, QuantRecipe, calibrate,
                                           collect_statistics, is_quantized, named_quantizers,
                                           quantization_disabled, quantize_model, quantizer_counts, skip_patterns)
+from models.quantization.rules import derive_shared_groups
 from utils.onnx_utils import unshared_joins
 from utils.onnx_utils import activation_quantize_nodes, model_to_onnx
 
@@ -83,6 +84,63 @@ def test_known_joins_share_one_quantizer(tiny_gelan_model, gelan_t):
         for m in model.modules():
             if type(m).__name__ == "QuantRepNBottleneck":  # residual reads the same tensor as cv1
                 assert m._add_quantizer0 is m.cv1.conv._input_quantizer is m._add_quantizer1
+
+
+def _groups_read_off_the_export(model, share_add_inputs: bool) -> list[list[int]]:
+    """The groups as the lint sees them in the exported graph: each per-tensor quantizer given a distinct marker
+    amax, the model exported to ONNX, each QuantizeLinear traced back to its quantizer by its scale and grouped by
+    the INT8 tensor class it reads (utils.onnx_utils.quantized_classes). Quantizers by their index among
+    model.modules()'s per-tensor quantizers."""
+    from utils.onnx_utils import constant_values, quantized_classes, scale_of
+    quantizers = [m for m in model.modules() if isinstance(m, Quantizer) and m.axis is None and not m._disabled]
+    weights = [m for m in model.modules() if isinstance(m, Quantizer) and m.axis is not None]
+    marker = 1.0 / 1024  # distinct markers survive float32 scale = amax / 127 exactly enough
+    for q in weights:
+        q.disable()
+    for k, q in enumerate(quantizers):
+        q.set_amax(torch.tensor(1.0 + k * marker))
+    with held(model):
+        graph = model_to_onnx(model, 64).graph
+    for q in weights:
+        q.enable()
+    consts, groups = constant_values(graph), []
+    for nodes in quantized_classes(graph, share_add_inputs).values():
+        members = {round((float(scale_of(n, consts).reshape(-1)[0]) * 127 - 1.0) / marker) for n in nodes}
+        if len(members) > 1:
+            groups.append(sorted(members))
+    return sorted(groups)
+
+
+SHORTCUT = {  # upstream's Shortcut adds two conv outputs that other convs quantize: not INT8 inputs, no join
+    "nc": 12, "depth_multiple": 1.0, "width_multiple": 1.0, "anchors": 3,
+    "backbone": [[-1, 1, "Conv", [8, 3, 2]], [-1, 1, "Conv", [8, 1, 1]], [0, 1, "Conv", [8, 1, 1]],
+                 [[1, 2], 1, "Shortcut", []], [1, 1, "Conv", [8, 3, 2]], [2, 1, "Conv", [8, 3, 2]],
+                 [3, 1, "Conv", [8, 3, 2]]],
+    "head": [[[4, 5, 6], 1, "DDetect", ["nc"]]]}
+
+
+@pytest.mark.parametrize("cfg, share_add_inputs, backend", [
+    ("gelan-t", True, "pytorch-quantization"), ("tiny-gelan", True, "pytorch-quantization"),
+    ("tiny-gelan", False, "pytorch-quantization"), ("tiny-gelan-seg", True, "pytorch-quantization"),
+    ("shortcut", True, "pytorch-quantization"), ("tiny-gelan", True, "modelopt")])
+def test_sharing_groups_are_those_the_export_shows(cfg, share_add_inputs, backend):
+    """models/quantization/rules.py records the joins in one eager forward; the lint reads them off the exported
+    ONNX graph. Both give the same groups on every block type (tiny GELANs: ADown, AConv, SPPELAN's pools,
+    RepNCSPELAN4's adds, Upsample, Concat; the segmentation head's prototypes), at gelan-t's size, with and without
+    the residual adds, with either backend's quantizers."""
+    if backend == "modelopt":
+        pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt is not installed "
+                            "(./install_dependencies.sh --modelopt, as CI does)")
+    yaml = {"gelan-t": "gelan-t", "shortcut": SHORTCUT}.get(cfg) or tiny_gelan(12, segment=cfg.endswith("seg"))
+    model = build_model(yaml)
+    model.fuse()
+    quantize_model(model, QuantRecipe(share_rules=False, backend=backend)).eval()
+    index = {id(q): k for k, q in enumerate(m for m in model.modules()
+                                            if isinstance(m, Quantizer) and m.axis is None)}
+    groups = derive_shared_groups(model, 64, share_add_inputs)
+    recorded = sorted(sorted(index[id(q)] for q in group) for group in groups)
+    assert recorded == _groups_read_off_the_export(model, share_add_inputs)
+    assert len(recorded) >= (1 if cfg == "shortcut" else 4)
 
 
 @pytest.mark.parametrize("cfg", list(MODELS))

@@ -11,8 +11,8 @@ did: every QAT epoch was judged on the weights of the first evaluation).
   Optimizer's op computes its scale at every call: models/quantization/backends/). A training step reads them
   instead of reading amax back to the host (a GPU sync per quantizer and step), and a compiled forward reads them as constants: it traces again when
   a later block holds other values (its guards compare them). Opened by each fine-tuning epoch (models/finetuning/finetune.py),
-  each evaluation and each ONNX export of a quantized model (models/deployment/export.py, the scale-sharing rules' and mixed
-  precision's in-memory traces): the trace then records each scale as a constant instead of the ops that compute
+  each evaluation, the scale-sharing rules' recorded forward (models/quantization/rules.py) and each ONNX export of a
+  quantized model (models/deployment/export.py, mixed precision's in-memory traces): the trace then records each scale as a constant instead of the ops that compute
   it from amax at every call, which took half of a gelan-t trace's time (the same graph). A learned amax (a
   trained parameter) is not held: its grad-enabled forward computes its own scale, and no-grad calls outside a
   block compute it from the current value. Changing a held range inside the
