@@ -664,6 +664,32 @@ def test_checkpoint_roundtrip_on_cpu(gelan_t, tmp_path):
         assert torch.equal(fresh.eval()(x)[0], ref)
 
 
+def test_a_checkpoint_holds_the_model_evaluated_in_fp32_whatever_state_it_was_saved_in(tiny_gelan_model, tmp_path):
+    """save_checkpoint pickles a model that is already what a checkpoint holds (eval mode, no hooks, FP32 on the CPU,
+    no learned amax) as it is, and a copy made so of any other; either way the file holds that, the saved model is
+    left as it was, and the loaded one computes what the model computes in FP32."""
+    from models.quantization.checkpoint import read_checkpoint
+    from models.quantization.quantize import learnable_amax_parameters
+    model = copy.deepcopy(tiny_gelan_model)
+    calibrate(model, QuantRecipe(calib_method="max"), _images(1))
+    x = _images(1, seed=3)[0]
+    changes = {"as evaluated": lambda m: None, "training": lambda m: m.train(),
+               "a hook": lambda m: m.model[0].register_forward_hook(lambda *args: None),
+               "an FP16 bias": lambda m: setattr(m.model[0].conv.bias, "data", m.model[0].conv.bias.data.half()),
+               "a learned amax": learnable_amax_parameters}
+    for name, change in changes.items():
+        saved = copy.deepcopy(model).eval()
+        change(saved)
+        state = [(m.training, len(m._forward_hooks)) for m in saved.modules()]
+        loaded = read_checkpoint(save_checkpoint(saved, tmp_path / "m.pt"))["model"]
+        assert [(m.training, len(m._forward_hooks)) for m in saved.modules()] == state, name
+        assert not any(m.training or m._forward_hooks for m in loaded.modules()), name
+        assert all(t.dtype == torch.float32 for t in loaded.state_dict().values() if t.is_floating_point()), name
+        assert not any(isinstance(q._amax, torch.nn.Parameter) for _, q in named_quantizers(loaded)), name
+        with torch.no_grad():
+            assert torch.equal(loaded(x)[0], copy.deepcopy(saved).float().eval()(x)[0]), name
+
+
 def test_fuse_makes_the_model_upstreams_fuse_makes():
     """checkpoint.fuse, which every float checkpoint's load runs: the model upstream's BaseModel.fuse() makes (the
     same modules, parameters and buffers bit for bit, the same modules running forward_fuse, the same outputs),

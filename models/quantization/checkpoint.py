@@ -378,12 +378,25 @@ def _load_untrusted(data: bytes, flag: str, weights: str | Path) -> dict:
 
 
 def _storable(model: nn.Module) -> nn.Module:
-    """A CPU FP32 copy with learned amax frozen and no hooks (a training loop's taps belong to that loop)."""
+    """A CPU FP32 copy with learned amax frozen and no hooks (a training loop's taps belong to that loop); the model
+    itself where it is all of that already (an EMA copy or an evaluated model on a CPU): pickling reads it, changes
+    nothing, and a copy per save was a third of a CPU QAT epoch's checkpointing."""
+    if _stored_as_is(model):
+        return model
     model = freeze_amax(copy.deepcopy(model).float().cpu().eval())
     for m in model.modules():
         m._forward_hooks.clear()
         m._forward_pre_hooks.clear()
     return model
+
+
+def _stored_as_is(model: nn.Module) -> bool:
+    """Whether `model` is what `_storable` would make of it: in eval mode, without hooks, its floating tensors FP32 on
+    the CPU, no amax a parameter."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return (all(not m.training and not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+            and all(t.device.type == "cpu" and (t.dtype == torch.float32 or not t.is_floating_point()) for t in tensors)
+            and not any(isinstance(getattr(m, "_amax", None), nn.Parameter) for m in model.modules()))
 
 
 def save_checkpoint(model: nn.Module, path: str | Path, **extra) -> Path:
