@@ -50,6 +50,15 @@ prof)  # the README default's step (batch 10, cudagraphs) under torch.profiler: 
     --loader-batches 0 --warmup 10 --steps 60 --breakdown-steps 10 --profile-steps 10 --out /tmp/tp/$tag \
     --device 0 > /tmp/tp/$tag.log 2>&1; echo "rc $? $tag" >> /tmp/tp/$tag.log
   ;;
+seeds)
+  cp assets/gelan-s-helmet.pt /tmp/ && cd /tmp/yolov9 && mkdir -p /tmp/tp/seeds
+  python3 scripts/benchmark_step.py --weights /tmp/gelan-s-helmet.pt --data /tmp/helmet-416/data.yaml --imgsz 416 \
+    --seeds 0 1 2 --steps auto --devices 0 1 --project /tmp/step --out /tmp/tp/seeds/gelan-s-helmet-416-auto.json \
+    -- --workers 10 > /tmp/tp/seeds.log 2>&1; echo "rc $? seeds" >> /tmp/tp/seeds.log
+  mkdir -p /tmp/tp/seeds/runs; cp /tmp/step/*.log /tmp/tp/seeds/runs/ 2>/dev/null
+  for r in /tmp/step/*/; do [ -f "$r/report.json" ] && cp $r/report.json /tmp/tp/seeds/runs/$(basename $r).report.json; done
+  tail -8 /tmp/tp/seeds.log | cut -c1-300; tar -czf $OUT/seeds.tgz -C /tmp/tp seeds seeds.log
+  ;;
 wait)  # wait SECONDS PATTERN N: until N files /tmp/tp/PATTERN.log each have an rc line, or SECONDS
   end=$(( $(date +%s) + $1 )); pat=$2; want=$3
   while [ $(date +%s) -lt $end ]; do
@@ -63,3 +72,5 @@ wait)  # wait SECONDS PATTERN N: until N files /tmp/tp/PATTERN.log each have an 
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
   ;;
 esac
+# third lease (d097458): gelan-s on helmet at 416, the default auto, seeds 0-2 on two GPUs (the accuracy goal of issue
+# 68 with the upsampling rewrite): bash .gpu/run/s27.sh stage && bash /tmp/gpuS/s27.sh seeds
