@@ -6,7 +6,7 @@ import io
 import warnings
 from collections import defaultdict
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Hashable, Iterator
 
 import numpy as np
 import onnx
@@ -155,16 +155,16 @@ def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
 
 class UnionFind:
     def __init__(self):
-        self.parent: dict[str, str] = {}
+        self.parent: dict[Hashable, Hashable] = {}
 
-    def find(self, x: str) -> str:
+    def find(self, x: Hashable) -> Hashable:
         self.parent.setdefault(x, x)
         while self.parent[x] != x:
             self.parent[x] = self.parent[self.parent[x]]
             x = self.parent[x]
         return x
 
-    def union(self, a: str, b: str) -> None:
+    def union(self, a: Hashable, b: Hashable) -> None:
         ra, rb = self.find(a), self.find(b)
         if ra != rb:
             self.parent[rb] = ra

@@ -6,17 +6,18 @@ and none is keyed on tensor version counters: fused optimizers (Adam's fused ker
 code write tensors in place without bumping `_version`, so a version-keyed entry can serve old weights unseen (it
 did: every QAT epoch was judged on the weights of the first evaluation).
 
-- `held(*models)`: each calibrated quantizer's fake-quantization parameters (a host float per tensor, or
-  per-channel tensors) computed from its amax at entry, where its backend reads them (pytorch-quantization's; Model
-  Optimizer's op computes its scale at every call: models/quantization/backends/). A training step reads them
-  instead of reading amax back to the host (a GPU sync per quantizer and step), and a compiled forward reads them as constants: it traces again when
-  a later block holds other values (its guards compare them). Opened by each fine-tuning epoch (models/finetuning/finetune.py),
-  each evaluation, the scale-sharing rules' recorded forward (models/quantization/rules.py) and each ONNX export of a
-  quantized model (models/deployment/export.py, mixed precision's in-memory traces): the trace then records each scale as a constant instead of the ops that compute
-  it from amax at every call, which took half of a gelan-t trace's time (the same graph). A learned amax (a
-  trained parameter) is not held: its grad-enabled forward computes its own scale, and no-grad calls outside a
-  block compute it from the current value. Changing a held range inside the
-  block (`set_amax`, loading a state dict, calibrating) raises instead of going unseen.
+- `held(*models)`: each calibrated quantizer's fake-quantization parameters (a host float per tensor, or per-channel
+  tensors) computed from its amax at entry, where its backend reads them (pytorch-quantization's; Model Optimizer's op
+  computes its scale at every call: models/quantization/backends/). A training step reads them instead of reading amax
+  back to the host (a GPU sync per quantizer and step), and a compiled forward reads them as constants: it traces
+  again when a later block holds other values (its guards compare them). Opened by each fine-tuning epoch
+  (models/finetuning/finetune.py), each evaluation, the scale-sharing rules' recorded forward
+  (models/quantization/rules.py) and each ONNX export of a quantized model (models/deployment/export.py, mixed
+  precision's in-memory traces): the trace then records each scale as a constant instead of the ops that compute it
+  from amax at every call, which took half of a gelan-t trace's time (the same graph). A learned amax (a trained
+  parameter) is not held: its grad-enabled forward computes its own scale, and no-grad calls outside a block compute
+  it from the current value. Changing a held range inside the block (`set_amax`, loading a state dict, calibrating)
+  raises instead of going unseen.
 - `held(..., weights=True)`: in addition each weight's fake-quantized value, computed at its first use in the block
   and reused for every later batch (on a CPU quantizing a weight costs about as much as its convolution on a small
   batch). For evaluation only (`models/deployment/runners.py` TorchRunner.held): nothing steps an optimizer there. Never used

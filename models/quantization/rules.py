@@ -86,8 +86,7 @@ class _Joins(TorchFunctionMode):
 def derive_shared_groups(model: nn.Module, imgsz: int = 64,
                          share_add_inputs: bool = True) -> list[list[Quantizer]]:
     """Groups (size >= 2) of distinct per-tensor quantizers that must share one amax, in module order."""
-    quantizers = list({id(m): m for m in model.modules()
-                       if isinstance(m, Quantizer) and m.axis is None and not m._disabled}.values())
+    quantizers = [m for m in model.modules() if isinstance(m, Quantizer) and m.axis is None and not m._disabled]
     # weights are quantized per channel and never join: the forward skips their work
     weights = [m for m in model.modules() if isinstance(m, Quantizer) and m.axis is not None and not m._disabled]
     joins = _Joins(share_add_inputs)
@@ -98,7 +97,7 @@ def derive_shared_groups(model: nn.Module, imgsz: int = 64,
     try:
         for q in weights:
             q.disable()
-        for q in quantizers:  # a range, so that every quantizer quantizes (its value is never read)
+        for q in quantizers:  # a range, so that every quantizer quantizes (its value is never read), held: one op
             q.set_amax(torch.tensor(1.0, device=device))
         with held(model), detect_export_mode(model), torch.no_grad(), joins:
             model(torch.zeros(1, 3, imgsz, imgsz, device=device))
