@@ -143,6 +143,20 @@ def test_sharing_groups_are_those_the_export_shows(cfg, share_add_inputs, backen
     assert len(recorded) >= (1 if cfg == "shortcut" else 4)
 
 
+def test_joins_follow_calls_that_name_their_inputs():
+    """The recording reads a call's tensors wherever the call puts them: positional or named (torch.cat(tensors=),
+    F.interpolate(input=)); an index that exports as Gather joins nothing."""
+    from models.quantization.rules import _Joins
+    joins = _Joins(share_add_inputs=True)
+    a, b = torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4)
+    with joins:
+        both = torch.cat(tensors=[a, b], dim=1)
+        up = torch.nn.functional.interpolate(input=both, scale_factor=2.0, mode="nearest")
+        sliced, picked = up[:, :1], up[0]
+    find = joins.classes.find
+    assert find(id(a)) == find(id(b)) == find(id(both)) == find(id(up)) == find(id(sliced)) != find(id(picked))
+
+
 @pytest.mark.parametrize("cfg", list(MODELS))
 def test_exported_graph_has_no_unshared_join(cfg, request):
     model = request.getfixturevalue(MODELS[cfg][0])

@@ -71,10 +71,12 @@ class _Joins(TorchFunctionMode):
         self._quantized.add(id(output))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        source = args[0] if args else kwargs.get("input", kwargs.get("tensors"))  # a call may name its input
         if name in _MOVES and (name != "__getitem__" or _slices_only(args[1])):
-            inputs = _tensors(args[0]) if name in _CONCATENATIONS else _tensors(args[:1])
+            inputs = _tensors(source) if name in _CONCATENATIONS else _tensors(source)[:1]
             self._join(inputs + _tensors(out))
         elif name in _ADDS and self.share_add_inputs:
             operands = _tensors(args[:2])
