@@ -679,9 +679,10 @@ def test_checkpoint_roundtrip_on_cpu(gelan_t, tmp_path):
 
 
 def test_a_checkpoint_holds_the_model_evaluated_in_fp32_whatever_state_it_was_saved_in(tiny_gelan_model, tmp_path):
-    """save_checkpoint pickles a model that is already what a checkpoint holds (eval mode, no hooks, FP32 on the CPU,
-    no learned amax) as it is, and a copy made so of any other; either way the file holds that, the saved model is
-    left as it was, and the loaded one computes what the model computes in FP32."""
+    """save_checkpoint pickles a model that is FP32 on the CPU without a learned amax itself, in eval mode and without
+    its hooks for the time of the save, and a copy made so of any other; either way the file holds eval mode, no
+    hooks, FP32 and frozen amax, the saved model is left as it was (its modes and hooks back), and the loaded one
+    computes what the model computes in FP32."""
     from models.quantization.checkpoint import read_checkpoint
     from models.quantization.quantize import learnable_amax_parameters
     model = copy.deepcopy(tiny_gelan_model)

@@ -27,10 +27,12 @@ import pickle
 import pickletools
 import shutil
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
+from collections import OrderedDict
+from contextlib import ExitStack, contextmanager
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -377,25 +379,35 @@ def _load_untrusted(data: bytes, flag: str, weights: str | Path) -> dict:
         raise ValueError(f"{flag} {weights}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
 
 
-def _storable(model: nn.Module) -> nn.Module:
-    """A CPU FP32 copy with learned amax frozen and no hooks (a training loop's taps belong to that loop); the model
-    itself where it is all of that already (an EMA copy or an evaluated model on a CPU): pickling reads it, changes
-    nothing, and a copy per save was a third of a CPU QAT epoch's checkpointing."""
-    if _stored_as_is(model):
-        return model
-    model = freeze_amax(copy.deepcopy(model).float().cpu().eval())
-    for m in model.modules():
-        m._forward_hooks.clear()
-        m._forward_pre_hooks.clear()
-    return model
+@contextmanager
+def _storable(model: nn.Module) -> Iterator[nn.Module]:
+    """What a checkpoint holds of `model`, for the time of a save: eval mode, no hooks (a training loop's taps belong
+    to that loop), FP32 on the CPU, learned amax frozen. A model already FP32 on the CPU without a learned amax (an
+    EMA copy, an evaluated model, a student fine-tuned on a CPU) is pickled itself, its modes and hooks set aside and
+    put back after; any other as a copy made so. A copy per save was a third of a CPU QAT epoch's checkpointing."""
+    if not _in_fp32_on_the_cpu(model):
+        copied = freeze_amax(copy.deepcopy(model).float().cpu().eval())
+        for m in copied.modules():
+            m._forward_hooks.clear()
+            m._forward_pre_hooks.clear()
+        yield copied
+        return
+    modules = list(model.modules())
+    kept = [(m.training, m._forward_hooks, m._forward_pre_hooks) for m in modules]
+    try:
+        for m in modules:
+            m.training, m._forward_hooks, m._forward_pre_hooks = False, OrderedDict(), OrderedDict()
+        yield model
+    finally:
+        for m, (training, hooks, pre_hooks) in zip(modules, kept):
+            m.training, m._forward_hooks, m._forward_pre_hooks = training, hooks, pre_hooks
 
 
-def _stored_as_is(model: nn.Module) -> bool:
-    """Whether `model` is what `_storable` would make of it: in eval mode, without hooks, its floating tensors FP32 on
-    the CPU, no amax a parameter."""
+def _in_fp32_on_the_cpu(model: nn.Module) -> bool:
+    """Whether `model`'s floating tensors are FP32 on the CPU and no amax is a parameter: what `_storable` stores
+    without a copy."""
     tensors = [*model.parameters(), *model.buffers()]
-    return (all(not m.training and not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
-            and all(t.device.type == "cpu" and (t.dtype == torch.float32 or not t.is_floating_point()) for t in tensors)
+    return (all(t.device.type == "cpu" and (t.dtype == torch.float32 or not t.is_floating_point()) for t in tensors)
             and not any(isinstance(getattr(m, "_amax", None), nn.Parameter) for m in model.modules()))
 
 
@@ -403,8 +415,10 @@ def save_checkpoint(model: nn.Module, path: str | Path, **extra) -> Path:
     """Atomic save (temp file + rename) of a model in FP32: amax and QAT weights keep full precision,
     so evaluating the file reproduces the numbers measured before saving. Other modules in `extra` (an EMA
     copy) are stored the same way. Readable without trust."""
-    ckpt = {k: _storable(v) if isinstance(v, nn.Module) else v for k, v in {"model": model, **extra}.items()}
-    return atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
+    with ExitStack() as stack:
+        ckpt = {k: stack.enter_context(_storable(v)) if isinstance(v, nn.Module) else v
+                for k, v in {"model": model, **extra}.items()}
+        return atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
 
 
 def copy_checkpoint(saved: str | Path, path: str | Path) -> Path:
