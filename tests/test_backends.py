@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import CHECKOUT, IMGSZ, REDUCED_SIZE, TRAINED_T, one_box, run_cli
+from conftest import CHECKOUT, IMGSZ, REDUCED_SIZE, TRAINED_T, one_box, run_cli, run_preloaded
 
 pytest.importorskip("modelopt.torch.quantization",
                     reason="nvidia-modelopt is not installed (./install_dependencies.sh --modelopt, as CI does)")
@@ -217,9 +215,9 @@ def test_without_model_optimizer_the_backend_and_its_checkpoints_are_refused_in_
     env = dict(os.environ, PYTHONPATH=f"{shadow.parent}{os.pathsep}{CHECKOUT}", OMP_NUM_THREADS="1")
     for args, names in ((["quantize", "--backend", "modelopt", "--weights", TRAINED_T], "--backend modelopt"),
                         (["eval", "--weights", ptq["modelopt"][1]], str(ptq["modelopt"][1]))):
-        r = subprocess.run([sys.executable, str(CHECKOUT / "qat.py"), *map(str, args), "--data", demo_data,
-                            "--device", "cpu", "--project", tmp_path / "runs"], cwd=CHECKOUT, env=env,
-                           capture_output=True, text=True, timeout=300)
+        # forked from a Python that preloaded this environment's checkout, without modelopt (as a fresh one would)
+        r = run_preloaded([str(CHECKOUT / "qat.py"), *map(str, args), "--data", str(demo_data), "--device", "cpu",
+                           "--project", str(tmp_path / "runs")], CHECKOUT, env, 300)
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode != 0 and names in lines[-1] and "install_dependencies.sh --modelopt" in lines[-1], \
             r.stderr[-2000:]
