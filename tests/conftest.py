@@ -64,6 +64,17 @@ def cpu_share():
     torch.set_num_threads(int(THREADS))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_flops_count():
+    """Upstream's Model() and fuse() end with a summary whose FLOPs thop counts on a deep copy of the model (0.1-0.5 s
+    a model; ~9 s of the suite's models built in the test processes, and no test reads the figure): here the summary
+    has none, as upstream prints it without thop. The scripts the tests run are other processes and count them."""
+    from utils import torch_utils
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch_utils, "thop", None)
+        yield
+
+
 def _run(cmd, **kw):
     return subprocess.run(cmd, check=True, text=True, capture_output=True, **kw)
 
