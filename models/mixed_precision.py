@@ -132,7 +132,7 @@ def rank_by_output_error(passes: LayerOutputs, model: nn.Module, candidates: lis
 
     def outputs(start: int, keep: bool = False) -> dict[str, torch.Tensor]:
         return runner.run(lambda: passes.run(start, keep=keep))
-    with held(model, weights=True):
+    with runner.held():
         with quantization_disabled(q for _, q in named_quantizers(model)):
             reference = outputs(0)
         errors = {"all INT8": output_error(outputs(0, keep=True), reference)}
@@ -167,7 +167,7 @@ def candidate_metrics(model: nn.Module, candidates: list[Candidate], loader, tas
                 outputs = runner.run(lambda: passes.run(passes.first_layer(candidate_quantizers(model, [c])),
                                                         keep=False))
             yield c.name, outputs
-    with held(model, weights=True):
+    with runner.held():
         return evaluate_each(outputs_of, loader, task, nc, nms, desc)
 
 

@@ -140,8 +140,10 @@ def test_each_block_writes_its_scales_where_a_compiled_forward_reads_them(conv):
 
 
 def test_evaluation_in_one_block_gives_the_same_map_to_the_last_digit(demo_data320):
-    """The trained demo model, PTQ: evaluated in one block (each weight quantized once, each scale computed once)
-    and with nothing held (every weight and scale computed again at every batch): the same metrics, every digit."""
+    """The trained demo model, PTQ: evaluated in one block (each weight quantized once, each scale computed once;
+    eval and export mode set once) and with nothing held (every weight and scale computed again at every batch, the
+    modes set for each): the same metrics, every digit, and the model left training, as a fine-tuning epoch
+    evaluates it."""
     from models.core.task import DETECT
     from models.deployment.evaluate import evaluate, val_loader
     from models.deployment.runners import TorchRunner
@@ -153,10 +155,15 @@ def test_evaluation_in_one_block_gives_the_same_map_to_the_last_digit(demo_data3
     runner = TorchRunner(model)
     quantized_once = []
     model.model[0].conv._weight_quantizer.register_forward_hook(lambda m, i, o: quantized_once.append(o))
+    def left_training() -> bool:
+        return all(m.training for m in model.modules()) and not any(getattr(m, "export", False)
+                                                                     for m in model.modules())
+    model.train()
     in_block = evaluate(runner, loader, DETECT, data["nc"])
     assert len(quantized_once) == 2 and quantized_once[0] is quantized_once[1]  # two batches, one quantization
+    assert left_training()
     unheld = evaluate(NothingHeld(runner), loader, DETECT, data["nc"])
-    assert quantized_once[2] is not quantized_once[3]
+    assert quantized_once[2] is not quantized_once[3] and left_training()
     assert in_block["ap50"] > 0.1  # a trained model: not two empty results
     timing = "ms_per_image"
     assert in_block.pop(timing) > 0 and unheld.pop(timing) > 0 and in_block == unheld
