@@ -155,6 +155,7 @@ def test_evaluation_in_one_block_gives_the_same_map_to_the_last_digit(demo_data3
     runner = TorchRunner(model)
     quantized_once = []
     model.model[0].conv._weight_quantizer.register_forward_hook(lambda m, i, o: quantized_once.append(o))
+
     def left_training() -> bool:
         return all(m.training for m in model.modules()) and not any(getattr(m, "export", False)
                                                                      for m in model.modules())

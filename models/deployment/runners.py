@@ -36,15 +36,15 @@ class TorchRunner:
     def held(self) -> Iterator[None]:
         """One evaluation's block: the model in eval and export mode, and the quantizers' scales and fake-quantized
         weights computed (models/quantization/held_state.py), once for all its batches. Setting the modes walks
-        every module: per batch that was ~5 % of a gelan-t batch at 160 px on a CPU, and more where a batch runs
-        once per mixed-precision candidate."""
+        every module: 3.4 ms against 31 ms for a batch of 4 images through PTQ gelan-t at 160 px on a CPU, paid again
+        for each mixed-precision candidate's pass over a batch."""
         from models.quantization.held_state import held  # pytorch-quantization: only for PyTorch models
         with self._modes(), held(self.model, weights=True):
-            self._in_block = True
+            outer, self._in_block = self._in_block, True
             try:
                 yield
             finally:
-                self._in_block = False
+                self._in_block = outer
 
     @contextlib.contextmanager
     def _modes(self) -> Iterator[None]:
