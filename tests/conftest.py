@@ -225,14 +225,15 @@ class NothingHeld:
 
 
 def tiny_gelan(nc: int, segment: bool = False) -> dict:
-    """A model yaml with every block type GELAN models quantize (Conv, RepNCSPELAN4 with its residual adds, ADown,
-    AConv, SPPELAN with its max pools, Upsample, Concat, DDetect) at the fewest layers: for what costs per layer
-    (compiling: seconds a layer on a CPU; `qat.py sensitive`: an evaluation per tensor class). `segment`: with
-    gelan-c-seg's head instead (Segment: DDetect's maps, mask coefficients, a prototype branch that upsamples)."""
+    """A model yaml with every block type GELAN models quantize (Conv, ELAN1 (gelan-t's), RepNCSPELAN4 with its
+    residual adds, ADown, AConv, SPPELAN with its max pools, Upsample, Concat, DDetect) at the fewest layers: for what
+    costs per layer (compiling: seconds a layer on a CPU; `qat.py sensitive`: an evaluation per tensor class; an ONNX
+    trace), and for export structure, where upstream's GELANs only repeat these blocks wider and deeper. `segment`:
+    with gelan-c-seg's head instead (Segment: DDetect's maps, mask coefficients, a prototype branch that upsamples)."""
     head = [[7, 4], 1, "Segment", ["nc", 8, 16]] if segment else [[7, 4], 1, "DDetect", ["nc"]]
     return {
         "nc": nc, "depth_multiple": 1.0, "width_multiple": 1.0, "anchors": 3,
-        "backbone": [[-1, 1, "Conv", [16, 3, 2]], [-1, 1, "ADown", [32]], [-1, 1, "RepNCSPELAN4", [32, 32, 16, 1]],
+        "backbone": [[-1, 1, "Conv", [16, 3, 2]], [-1, 1, "ADown", [32]], [-1, 1, "ELAN1", [32, 32, 16]],
                      [-1, 1, "AConv", [48]], [-1, 1, "SPPELAN", [48, 24]]],
         "head": [[-1, 1, "nn.Upsample", [None, 2, "nearest"]], [[-1, 2], 1, "Concat", [1]],
                  [-1, 1, "RepNCSPELAN4", [32, 32, 16, 1]], head],
@@ -328,15 +329,17 @@ class PreloadedPython:
         return json.loads(line)
 
     def start(self, cmd: list[str], cwd: Path, interruptible: bool = False) -> Started:
-        """`cmd` started in a fork, not waited for. The server answers in the order its children end: one at a time."""
+        """`cmd` (a script and its arguments, or "-m", a module and its arguments) started in a fork, not waited for.
+    The server answers in the order its children end: one at a time."""
         import tempfile
         assert self.running is None, f"{self.running.cmd} still runs in this server"
         folder = tempfile.TemporaryDirectory()
         umask = os.umask(0)
         os.umask(umask)
         out, err = Path(folder.name) / "out", Path(folder.name) / "err"
-        request = {"script": cmd[0], "args": cmd[1:], "cwd": str(cwd), "out": str(out), "err": str(err),
-                   "umask": umask, "interruptible": interruptible}
+        command = {"module": cmd[1], "args": cmd[2:]} if cmd[0] == "-m" else {"script": cmd[0], "args": cmd[1:]}
+        request = {**command, "cwd": str(cwd), "out": str(out), "err": str(err), "umask": umask,
+                   "interruptible": interruptible}
         self.server.stdin.write(json.dumps(request) + "\n")
         self.server.stdin.flush()
         self.running = Started(self, cmd, self._answer("pid"), folder)
@@ -400,9 +403,10 @@ def _torchrun_logs() -> str:
 
 
 def run_preloaded(cmd: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """`python script args` (cmd: the script's path, then its arguments) with `env`, in a new process forked from a
-    preloaded Python started with that environment (tests/preloaded_python.py says what it shares with a fresh
-    interpreter, which is only imports). PYTHONPATH in `env` picks the checkout whose modules it preloads."""
+    """`python script args` (cmd: the script's path, then its arguments; or "-m", a module, its arguments) with
+    `env`, in a new process forked from a preloaded Python started with that environment (tests/preloaded_python.py
+    says what it shares with a fresh interpreter, which is only imports). PYTHONPATH in `env` picks the checkout
+    whose modules it preloads."""
     return _server(env, cwd).run(cmd, cwd, timeout)
 
 

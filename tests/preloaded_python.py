@@ -12,10 +12,10 @@ interpreter would. tests/test_harness.py compares it with a fresh interpreter.
 
 Two ways in:
 - the test process (conftest.run_preloaded, start_preloaded), one JSON line each way on the server's stdin and
-  stdout: it writes {"script", "args", "cwd", "out", "err", "umask", "interruptible"} (stdin from /dev/null, stdout
-  and stderr to those files; SIGINT raising KeyboardInterrupt if interruptible, else as in the server); the server
-  answers {"pid"} once the child runs and {"returncode"} when it ends (negative: killed by that signal, as
-  subprocess reports it).
+  stdout: it writes {"script" (or "module"), "args", "cwd", "out", "err", "umask", "interruptible"} (stdin from
+  /dev/null, stdout and stderr to those files; SIGINT raising KeyboardInterrupt if interruptible, else as in the
+  server); the server answers {"pid"} once the child runs and {"returncode"} when it ends (negative: killed by that
+  signal, as subprocess reports it).
 - the scripts' own child processes: in a child, `sys.executable` is a launcher (tests/python_launcher.py) under
   the real interpreter's name, so what a script starts with sys.executable (the benchmark's steps, `-m` ones
   included) is forked here too. The launcher hands over its argv, working directory, umask, environment, SIGINT

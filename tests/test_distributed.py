@@ -233,22 +233,22 @@ def test_cache_auto_keeps_images_in_ram_on_a_gpu_where_every_processs_copy_fits(
     assert [cache_choice(c, False, 640, 8, unread)[0] for c in ("ram", "disk", "off")] == ["ram", "disk", None]
 
 
-def test_cache_from_the_command_line_changes_no_number(demo_data, tmp_path):
-    """`qat.py quantize --cache` (RAM: the flag alone) gives the run the cache and the same numbers as without it (the
-    trained demo model: mAPs that are not 0)."""
-    from conftest import TRAINED_T
-    common = ["quantize", "--weights", TRAINED_T, "--data", demo_data, *COMMON, "--batch-size", 4,
+def test_cache_from_the_command_line_changes_no_number(tiny_gelan_weights, demo_data, tmp_path):
+    """`qat.py quantize --cache` (RAM: the flag alone) gives the run the cache and the same numbers as without it. The
+    cache holds the fine-tuning loader's images only, so the epochs' losses are what it could change (a mechanism:
+    the tiny GELAN)."""
+    common = ["quantize", "--weights", tiny_gelan_weights, "--data", demo_data, *COMMON, "--batch-size", 4,
               "--calib-batches", 1, "--calib-method", "max", "--epochs", 1, "--iters", 2, "--no-eval-origin",
               "--project", tmp_path]
     for name, extra in (("plain", []), ("cached", ["--cache"])):
         r = _qat(*common, "--name", name, *extra)
         assert r.returncode == 0, r.stderr[-3000:]
     plain, cached = (json.loads((tmp_path / k / "report.json").read_text()) for k in ("plain", "cached"))
-    assert cached["config"]["cache"] == "ram" and plain["config"]["cache"] == "auto" and plain["ptq"]["ap"] > 0
+    assert cached["config"]["cache"] == "ram" and plain["config"]["cache"] == "auto"
     assert cached["step"]["cache"] == "ram" and plain["step"]["cache"] is None  # auto: not on a CPU
     assert "not a CUDA device" in plain["step"]["cache_why"]
     assert [e["ap"] for e in cached["qat"]] == [e["ap"] for e in plain["qat"]] and cached["ptq"] == plain["ptq"]
-    assert [e["loss"] for e in cached["qat"]] == [e["loss"] for e in plain["qat"]]
+    assert [e["loss"] for e in cached["qat"]] == [e["loss"] for e in plain["qat"]] and plain["qat"][0]["loss"] > 0
 
 
 def test_two_process_calibration_equals_one_process(tiny_gelan_weights, demo_data, tmp_path):
@@ -309,7 +309,7 @@ def test_two_process_run_with_modelopt_calibrates_as_one_process(tiny_gelan_weig
     assert reports["two"]["calibration_images"] == reports["one"]["calibration_images"]
     assert [e["epoch"] for e in reports["two"]["qat"]] == [1]
     one, two = (_amax(reports[k]["ptq_file"]) for k in ("one", "two"))
-    assert one.keys() == two.keys() and len(one) > 80
+    assert one.keys() == two.keys() and len(one) > 60  # every range of the tiny GELAN (63)
     acts = [n for n in one if one[n].numel() == 1]
     rel = max(float(((two[n] - one[n]) / one[n]).abs()) for n in acts)
     print(f"max ranges, 2 processes vs 1: largest relative difference {rel:.1e} over {len(acts)} activations")
@@ -320,15 +320,15 @@ def test_two_process_run_with_modelopt_calibrates_as_one_process(tiny_gelan_weig
 
 
 def _search(rank: int, out: str) -> None:
-    """`per-quantizer` calibration of gelan-t (its first layers: a search costs a pass per quantizer and candidate)
-    on 2 gloo ranks, each its own share of two global batches, rank 1's model other than rank 0's (its own search
-    would choose otherwise); what each rank ends with saved."""
-    from conftest import build_model
+    """`per-quantizer` calibration of the tiny GELAN (its first layers: a search costs a pass per quantizer and
+    candidate) on 2 gloo ranks, each its own share of two global batches, rank 1's model other than rank 0's (its
+    own search would choose otherwise); what each rank ends with saved."""
+    from conftest import build_model, tiny_gelan
 
     from models.core.distributed import World
     from models.quantization.quantize import QuantRecipe, calibrate, named_quantizers, quantize_model
     recipe = QuantRecipe(calib_method="per-quantizer", skip=(r"^model\.([4-9]|\d\d)\.",))
-    model = quantize_model(build_model("gelan-t", seed=rank).fuse(), recipe)
+    model = quantize_model(build_model(tiny_gelan(12), seed=rank).fuse(), recipe)
     shares = [torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(10 * b + rank)) for b in range(2)]
     stats = calibrate(model, recipe, shares, World(rank, 2, rank))
     torch.save({"images": stats.images, "methods": stats.per_quantizer, "shares": shares,
@@ -379,18 +379,18 @@ def test_two_process_qat_writes_one_report_and_resume_checks_the_world(demo_data
 
 
 def _step(rank: int, out: str) -> None:
-    """One training step of a calibrated quantized gelan-t under DDP's default (every buffer broadcast before every
+    """One training step of a calibrated quantized tiny GELAN under DDP's default (every buffer broadcast before every
     forward) and under the student's wrapper, from the same weights: each rank its own images; the loss and the
     averaged gradients of both saved."""
     import copy
 
-    from conftest import build_model
+    from conftest import build_model, tiny_gelan
     from torch.nn.parallel import DistributedDataParallel
 
     from models.core.distributed import World, data_parallel
     from models.quantization.quantize import QuantRecipe, calibrate, quantize_model
     torch.manual_seed(0)
-    model = quantize_model(build_model("gelan-t").fuse())
+    model = quantize_model(build_model(tiny_gelan(12)).fuse())
     calibrate(model, QuantRecipe(calib_method="max"), [torch.rand(2, 3, 64, 64, generator=torch.Generator()
                                                                   .manual_seed(1))])
     model.train()
@@ -421,7 +421,7 @@ def test_a_step_without_per_step_buffer_broadcast_equals_ddps_default(two_ranks)
     runs = [torch.load(two_ranks[1] / f"step{r}.pt") for r in (0, 1)]
     assert [(r["ours"]["broadcast"], r["default"]["broadcast"]) for r in runs] == [(False, True)] * 2
     ranges = runs[0]["ours"]["wrapped"]
-    assert len(ranges) > 100
+    assert len(ranges) > 60  # every range of the tiny GELAN (63)
     for when in ("wrapped", "after"):
         assert all(torch.equal(runs[1]["ours"][when][n], a) for n, a in ranges.items()), when
         assert all(torch.equal(runs[0]["ours"][when][n], a) for n, a in ranges.items()), when

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import CHECKOUT, build_model
+from conftest import CHECKOUT, build_model, tiny_gelan
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.core.losses import head_distill_loss
@@ -40,8 +40,8 @@ def _targets(batch=2, seed=0):
 
 @pytest.fixture(scope="module")
 def ptq_pair():
-    """A calibrated gelan-t (nc=3) and its float teacher."""
-    model = build_model("gelan-t", nc=NC)
+    """A calibrated tiny GELAN (nc=3; every block type the quantizers meet) and its float teacher."""
+    model = build_model(tiny_gelan(NC), nc=NC)
     model.fuse()
     teacher = copy_float(model)
     quantize_model(model)
@@ -325,7 +325,7 @@ def _crowded_targets(batch: int, seed: int) -> torch.Tensor:
     return torch.cat([targets, twin])
 
 
-def test_the_detection_loss_is_upstreams_and_reads_nothing_back(ptq_pair):
+def test_the_detection_loss_is_upstreams_and_reads_nothing_back():
     """Fine-tuning's detection loss (models/core/sync_free_loss.py) gives upstream's loss and gradients without a
     read of the device, where upstream's reads it a few times a step plus three times an image (each a wait for the
     GPU to finish the compiled forward). Its padded targets are upstream's bit for bit (rows in the order they came,
@@ -347,7 +347,7 @@ def test_the_detection_loss_is_upstreams_and_reads_nothing_back(ptq_pair):
         got = padded_targets(targets.clone(), batch, scale, "cpu")
         assert got.shape == want.shape and torch.equal(got, want), (got, want)
 
-    model = copy.deepcopy(ptq_pair[1]).train()
+    model = build_model("gelan-t", nc=NC).train()  # upstream's loss reads three detection levels
     model.hyp = _hyp()
     ours, theirs = DetectionLoss(model), ComputeLoss(model)
     cases = ((4, 96, _crowded_targets(4, 0)), (2, 64, _targets(2, 1)), (2, 64, torch.zeros(0, 6)))
@@ -407,8 +407,6 @@ def test_the_segmentation_loss_is_upstreams_and_reads_nothing_back():
     loss by 1). On an empty batch upstream's class term is infinite (it divides by a sum of target scores of 0): ours
     is finite there. On the meta device, where every read raises, it runs forward and backward; upstream's does
     not."""
-    from conftest import tiny_gelan
-
     from models.core.sync_free_loss import SegmentationLoss
     from utils.segment.loss_tal import ComputeLoss
     class Seen(SegmentationLoss):  # notes the sum of target scores each call divides by

@@ -36,10 +36,7 @@ def test_checkout_is_upstream_layout_without_wheel_prefix(checkout):
               "models/detect/gelan-c.yaml", "models/detect/yolov9-c.yaml", "data/hyps/hyp.scratch-high.yaml"):
         assert (checkout / f).is_file(), f
     offenders = [p for p in checkout.rglob("*.py") if "yolo9." in p.read_text(errors="ignore")]
-    assert offenders == []
-    r = subprocess.run([sys.executable, "-c", "import models.yolo, val, train"], cwd=checkout, capture_output=True,
-                       text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert offenders == []  # that it imports: test_upstream's first run of train.py here, in a fresh interpreter
 
 
 def test_patch_refuses_non_checkout_and_is_idempotent(tmp_path):
