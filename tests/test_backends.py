@@ -225,17 +225,18 @@ def test_without_model_optimizer_the_backend_and_its_checkpoints_are_refused_in_
     assert not (tmp_path / "runs").exists()
 
 
-def test_benchmark_backends_records_both_and_renders(demo_data, tmp_path):
+def test_benchmark_backends_records_both_and_renders(tiny_gelan_weights, demo_data, tmp_path):
     """scripts/benchmark_backends.py on demo data: both backends measured on the same calibration images, their
-    ranges compared quantizer by quantizer, both graphs linted; the README block renders from what it wrote."""
+    ranges compared quantizer by quantizer, both graphs linted; the README block renders from what it wrote (the
+    script's path, not its numbers: the tiny GELAN)."""
     from utils.benchmark_tables import backends_table
     out = tmp_path / "backends" / "demo.json"
-    r = run_cli("scripts/benchmark_backends.py", "--weights", TRAINED_T, "--data", demo_data, "--imgsz", 64,
+    r = run_cli("scripts/benchmark_backends.py", "--weights", tiny_gelan_weights, "--data", demo_data, "--imgsz", 64,
                 "--calib-images", 4, "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(result["backends"]) == set(BACKENDS) and result["val_images"] == 12
-    assert result["ranges"]["weights_equal"] == result["ranges"]["weights"] > 100
+    assert result["ranges"]["weights_equal"] == result["ranges"]["weights"] > 30  # the tiny GELAN's 36 convs
     assert result["ranges"]["max"]["largest_rel"] < 0.01
     for b in result["backends"].values():
         assert b["lint"]["unshared_joins"] == 0 and b["lint"]["unquantized_convs"] == 0
