@@ -14,7 +14,6 @@ from utils.onnx_utils import constant_values
 from utils.qdq_lint import lint, lint_file
 
 
-
 def _calib_images(demo_data, n=2):
     import export_qat
     return export_qat.verification_images(str(demo_data), IMGSZ, 2, n)

@@ -121,9 +121,9 @@ SHORTCUT = {  # upstream's Shortcut adds two conv outputs that other convs quant
     ("shortcut", True, "pytorch-quantization"), ("tiny-gelan", True, "modelopt")])
 def test_sharing_groups_are_those_the_export_shows(cfg, share_add_inputs, backend):
     """models/quantization/rules.py records the joins in one eager forward; the lint reads them off the exported
-    ONNX graph. Both give the same groups on every block type (tiny GELANs: ADown, AConv, SPPELAN's pools,
-    RepNCSPELAN4's adds, Upsample, Concat; the segmentation head's prototypes), at gelan-t's size, with and without
-    the residual adds, with either backend's quantizers."""
+    ONNX graph. Both give the same groups on every block type (tiny GELANs: ADown, AConv, ELAN1's and RepNCSPELAN4's
+    splits, SPPELAN's pools, RepNCSPELAN4's adds, Upsample, Concat; the segmentation head's prototypes), at gelan-t's
+    size, with and without the residual adds, with either backend's quantizers."""
     if backend == "modelopt":
         pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt is not installed "
                             "(./install_dependencies.sh --modelopt, as CI does)")
