@@ -330,7 +330,7 @@ class PreloadedPython:
 
     def start(self, cmd: list[str], cwd: Path, interruptible: bool = False) -> Started:
         """`cmd` (a script and its arguments, or "-m", a module and its arguments) started in a fork, not waited for.
-    The server answers in the order its children end: one at a time."""
+        The server answers in the order its children end: one at a time."""
         import tempfile
         assert self.running is None, f"{self.running.cmd} still runs in this server"
         folder = tempfile.TemporaryDirectory()
